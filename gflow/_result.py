@@ -1,0 +1,98 @@
+"""What a flow returns: the endpoint, a status, and how the solve went."""
+
+from __future__ import annotations
+
+import enum
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from ._model import Factorization
+
+
+class Status(enum.IntEnum):
+    """Why a flow (or a discrete descent) stopped. Stored as an int array inside results."""
+
+    CONVERGED = 0
+    """The stopping rule fired: the estimated distance to the limit is within tolerance."""
+    T_MAX = 1
+    """The time horizon `t_max` was reached before convergence."""
+    MAX_STEPS = 2
+    """The step budget `max_steps` ran out before convergence."""
+    DIVERGED = 3
+    """The state became non-finite or exceeded the divergence bound."""
+    FAILED = 4
+    """The solver failed for another reason (e.g. a nonlinear solve in an implicit step)."""
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Trajectory(eqx.Module):
+    """Samples of a flow, time-ordered. Rows past the end of the solve are `inf` (`valid` is
+    False there); `compress()` drops them.
+
+    During the loss-clock phase (small inits, see `flow`) samples are evenly spaced in
+    log(loss); in physical time they are log-spaced in t.
+    """
+
+    t: Float[Array, " n"]
+    loss: Float[Array, " n"]
+    singular_values: Float[Array, "n k"]
+    layers: Factorization | None
+
+    @property
+    def valid(self):
+        return jnp.isfinite(self.t)
+
+    def compress(self) -> Trajectory:
+        keep = np.asarray(self.valid)
+        layers = None
+        if self.layers is not None:
+            layers = Factorization([np.asarray(w)[keep] for w in self.layers.layers])
+        return Trajectory(
+            np.asarray(self.t)[keep],
+            np.asarray(self.loss)[keep],
+            np.asarray(self.singular_values)[keep],
+            layers,
+        )
+
+
+class FlowResult(eqx.Module):
+    """The outcome of `flow` (or `descend`).
+
+    - `model`: the endpoint factorization.
+    - `status`: a `Status` code (int array; `status_label` gives its name).
+    - `t_end`: the physical time reached (for descent: steps × learning rate).
+    - `loss`, `loss_init`: the loss at the end and at the start.
+    - `num_steps`, `num_accepted_steps`, `num_rejected_steps`, `num_rhs_evals`: solver work;
+      RHS evaluations count every gradient evaluation, the stopping rule's included.
+    - `energy`: ∫‖∇loss‖² dt when certificates were requested (else nan). For the exact flow
+      `loss_init − loss = energy`.
+    - `trajectory`: samples along the way, when requested.
+    - `wall_time_s`, `compile_time_s`: seconds, measured on the host (nan inside `vmap`).
+    """
+
+    model: Factorization
+    status: Int[Array, ""]
+    t_end: Float[Array, ""]
+    loss: Float[Array, ""]
+    loss_init: Float[Array, ""]
+    num_steps: Int[Array, ""]
+    num_accepted_steps: Int[Array, ""]
+    num_rejected_steps: Int[Array, ""]
+    num_rhs_evals: Int[Array, ""]
+    energy: Float[Array, ""]
+    trajectory: Trajectory | None = None
+    wall_time_s: float = float("nan")
+    compile_time_s: float = float("nan")
+
+    @property
+    def status_label(self) -> str | list[str]:
+        s = np.asarray(self.status)
+        if s.ndim == 0:
+            return Status(int(s)).label
+        return [Status(int(v)).label for v in s.ravel()]
