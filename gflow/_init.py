@@ -59,7 +59,7 @@ def orthogonal(widths: Sequence[int], alpha, key, *, dtype=None) -> Factorizatio
     return Factorization(layers)
 
 
-def from_file(path: str | os.PathLike, *, dtype=None) -> Factorization:
+def load_init(path: str | os.PathLike, *, dtype=None) -> Factorization:
     """Load layers W_1 … W_L from `.npy` (a stack of L square matrices, shape (L, d, d)) or
     `.npz` (arrays named so that sorting their names orders them W_1 … W_L, e.g. `W1`, `W2`;
     natural order is used, so `W10` follows `W9`)."""

@@ -129,7 +129,7 @@ def bernoulli(
     return _with_noise(Problem(target, mask, dtype=dtype), noise, kn)
 
 
-def from_npy(target_path: str | os.PathLike, mask_path: str | os.PathLike, *, dtype=None):
+def load_problem(target_path: str | os.PathLike, mask_path: str | os.PathLike, *, dtype=None):
     """Load a problem from two `.npy` files (target and 0/1 mask)."""
     target = np.load(target_path)
     mask = np.load(mask_path)
