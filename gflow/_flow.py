@@ -129,23 +129,68 @@ def _loss_clock_field(tau, y, args):
     return dy
 
 
+def _safe_norm(x):
+    """‖x‖₂ without overflow or underflow in the squares."""
+    scale = jnp.max(jnp.abs(x))
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return jnp.where(scale > 0, safe * jnp.sqrt(jnp.sum((x / safe) ** 2)), 0.0)
+
+
 def remaining_distance_ratio(model: Factorization, problem: Problem, rtol, atol):
-    """RMS of the estimated remaining displacement in units of the tolerance (≤ 1: converged)."""
+    """RMS of the estimated remaining displacement in units of the tolerance (≤ 1: converged).
+
+    δ = (2·loss/‖∇loss‖²)·∇loss, evaluated as (2·loss/‖g‖)·(g/‖g‖) so that huge gradients
+    cannot overflow into a spurious δ = 0."""
     loss, g = loss_and_gradient(model, problem)
-    h = _loss_time_scale(loss, tree_dot(g, g))
-    delta = h * _flatten(g)
+    g = _flatten(g)
+    g_norm = _safe_norm(g)
+    safe = jnp.where(g_norm > 0, g_norm, 1.0)
+    delta = jnp.where(g_norm > 0, (2.0 * loss / safe) * (g / safe), 0.0)
     scale = atol + rtol * jnp.abs(_flatten(model))
     return jnp.sqrt(jnp.mean((delta / scale) ** 2))
 
 
 def _is_diverged(model, problem, bound):
+    """Non-finite or huge parameters, or a loss or gradient beyond float range."""
     theta = _flatten(model)
-    loss = problem.loss(model.product())
-    return ~jnp.isfinite(loss) | ~jnp.all(jnp.isfinite(theta)) | (jnp.max(jnp.abs(theta)) > bound)
+    loss, g = loss_and_gradient(model, problem)
+    g_sq = tree_dot(g, g)
+    return (
+        ~jnp.isfinite(loss)
+        | ~jnp.isfinite(g_sq)
+        | ~jnp.all(jnp.isfinite(theta))
+        | (jnp.max(jnp.abs(theta)) > bound)
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # The engine: jittable and vmappable over (problem, model).
+
+
+class _FiniteErrorPID(diffrax.PIDController):
+    """A PID controller that treats an overflowing trial step as a plain rejection.
+
+    diffrax's controller computes the next step from the error norm; a trial step that
+    overflows (large α: the polynomial vector field explodes before the controller has
+    learned the step size) gives inf − inf = nan there, and a nan step size never recovers.
+    Here a non-finite candidate counts as an infinite error, so the step shrinks instead.
+    """
+
+    def adapt_step_size(
+        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+    ):
+        finite = jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(y1_candidate)])
+        )
+        y1_candidate = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(finite, b, a), y0, y1_candidate
+        )
+        y_error = jax.tree_util.tree_map(
+            lambda e: jnp.where(finite & jnp.isfinite(e), e, jnp.inf), y_error
+        )
+        return super().adapt_step_size(
+            t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        )
 
 
 def _rhs_evals_per_step(solver) -> int:
@@ -184,7 +229,7 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
     if atol is None:
         atol = 1e-2 * rtol * jnp.sqrt(jnp.mean(theta0**2))
         atol = jnp.where(atol > 0, atol, 1e-2 * rtol)
-    controller = diffrax.PIDController(rtol=rtol, atol=atol)
+    controller = _FiniteErrorPID(rtol=rtol, atol=atol)
 
     loss0, g0 = loss_and_gradient(model, problem)
     h0 = _loss_time_scale(loss0, tree_dot(g0, g0))

@@ -22,7 +22,7 @@ class Status(enum.IntEnum):
     MAX_STEPS = 2
     """The step budget `max_steps` ran out before convergence."""
     DIVERGED = 3
-    """The state became non-finite or exceeded the divergence bound."""
+    """The state, loss or gradient left the float range, or |θ| exceeded the bound."""
     FAILED = 4
     """The solver failed for another reason (e.g. a nonlinear solve in an implicit step)."""
 

@@ -220,3 +220,32 @@ def diagonal_l2_limit(w2, w1, targets):
         u_inf[i] = (p / math.sqrt(e) + q * math.sqrt(e)) / 2
         v_inf[:, i] = (p / math.sqrt(e) - q * math.sqrt(e)) / 2
     return u_inf @ v_inf
+
+
+def family_prediction(depth: int, n: int, s: int, alpha, m=math.inf, w=1.0, *, t=math.inf):
+    """Everything the theory predicts for one family configuration, as a JSON-ready dict.
+
+    σ_A (×1) and σ_B (×(n − 1)) at t → ∞; σ_C(t) (×n(s − 1)) at time `t` (0 at t = ∞);
+    the stable and effective rank built from them; the escape-time estimate.
+    """
+    from ._measures import family_ranks
+
+    lim = family_limit(depth, n, s, alpha, m, w)
+    sigma_a, log_sigma_b = float(lim.sigma_a), float(lim.log_sigma_b)
+    if s > 1 and math.isfinite(t):
+        log_sigma_c = float(depth * log_lambda_c_at(depth, n, s, alpha, m, t))
+    else:
+        log_sigma_c = -math.inf
+    srank, erank = family_ranks(sigma_a, math.exp(log_sigma_b), math.exp(log_sigma_c), n, s)
+    return {
+        "sigma_a": sigma_a,
+        "sigma_b": math.exp(log_sigma_b),
+        "log_sigma_b": log_sigma_b,
+        "sigma_c": math.exp(log_sigma_c),
+        "log_sigma_c": log_sigma_c,
+        "multiplicities": {"a": 1, "b": n - 1, "c": n * (s - 1)},
+        "stable_rank": srank,
+        "effective_rank": erank,
+        "escape_time": float(escape_time(depth, n, s, alpha, m, w)),
+        "t": t,
+    }

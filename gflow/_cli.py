@@ -1,0 +1,230 @@
+"""The `gflow` command line: a thin layer over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # silence XLA's C++ chatter on stderr
+
+
+class UsageError(Exception):
+    """A bad option: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def _float_or_inf(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _add_problem_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("problem")
+    g.add_argument(
+        "--problem",
+        choices=["diagonal", "block-diagonal", "bernoulli", "file"],
+        default="diagonal",
+        help="observation pattern (default: diagonal)",
+    )
+    g.add_argument("--dim", type=int, default=4, help="matrix size d (diagonal, bernoulli)")
+    g.add_argument("--blocks", type=int, default=2, help="number of blocks n (block-diagonal)")
+    g.add_argument("--block-size", type=int, default=2, help="block size s (block-diagonal)")
+    g.add_argument("--density", type=float, default=0.5, help="observation probability p")
+    g.add_argument("--rank", type=int, default=1, help="rank of the bernoulli ground truth")
+    g.add_argument("--value", type=float, default=1.0, help="ground-truth value w (X* = wJ)")
+    g.add_argument("--noise", type=float, default=0.0, help="std of observation noise")
+    g.add_argument("--target", help="target matrix .npy (--problem file)")
+    g.add_argument("--mask", help="0/1 mask .npy (--problem file)")
+    g = p.add_argument_group("initialisation")
+    g.add_argument("--depth", type=int, default=3, help="number of layers L (default 3)")
+    g.add_argument(
+        "--init", choices=["identity", "gaussian", "orthogonal", "file"], default="identity"
+    )
+    g.add_argument("--alpha", type=_float_or_inf, default=0.01, help="init scale α per layer")
+    g.add_argument("--m", type=_float_or_inf, default=4.0, help="identity-family m (inf allowed)")
+    g.add_argument("--init-file", help="layers .npy stack (L, d, d) or .npz (--init file)")
+    g.add_argument("--seed", type=int, default=0, help="PRNG seed")
+
+
+def _add_solver_options(p: argparse.ArgumentParser) -> None:
+    from ._flow import SOLVERS
+
+    g = p.add_argument_group("solver")
+    g.add_argument("--solver", choices=sorted(SOLVERS), default="tsit5")
+    g.add_argument("--rtol", type=float, default=1e-10)
+    g.add_argument("--atol", type=float, default=None, help="default: scaled to the init")
+    g.add_argument("--t-max", type=_float_or_inf, default=math.inf)
+    g.add_argument("--max-steps", type=int, default=100_000)
+    g.add_argument("--clock", choices=["auto", "physical", "loss"], default="auto")
+
+
+def build_problem(args):
+    import jax
+
+    import gflow
+
+    key = jax.random.key(args.seed)
+    if args.problem == "diagonal":
+        return gflow.diagonal(args.dim, args.value, noise=args.noise, key=key)
+    if args.problem == "block-diagonal":
+        return gflow.block_diagonal(
+            args.blocks, args.block_size, args.value, noise=args.noise, key=key
+        )
+    if args.problem == "bernoulli":
+        return gflow.bernoulli(args.dim, args.dim, args.density, args.rank, key, noise=args.noise)
+    if not (args.target and args.mask):
+        raise UsageError("--problem file needs --target PATH and --mask PATH")
+    return gflow.load_problem(_existing(args.target), _existing(args.mask))
+
+
+def build_model(args, problem):
+    import jax
+
+    import gflow
+
+    d_out, d_in = problem.shape
+    if args.init == "file":
+        if not args.init_file:
+            raise UsageError("--init file needs --init-file PATH")
+        return gflow.load_init(_existing(args.init_file))
+    widths = [d_in] + [d_out] * args.depth
+    key = jax.random.fold_in(jax.random.key(args.seed), 1)
+    if args.init == "identity":
+        if d_in != d_out:
+            raise UsageError("--init identity needs a square problem")
+        return gflow.identity_family(d_in, args.depth, args.alpha, args.m)
+    if args.init == "gaussian":
+        return gflow.gaussian(widths, args.alpha, key)
+    return gflow.orthogonal(widths, args.alpha, key)
+
+
+def _existing(path):
+    if not os.path.exists(path):
+        raise UsageError(f"no such file: {path}")
+    return path
+
+
+def _config(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("func", "json", "command")}
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def cmd_run(args) -> int:
+    import numpy as np
+
+    import gflow
+
+    problem = build_problem(args)
+    model = build_model(args, problem)
+    options = gflow.FlowOptions(
+        solver=args.solver,
+        rtol=args.rtol,
+        atol=args.atol,
+        t_max=args.t_max,
+        max_steps=args.max_steps,
+        clock=args.clock,
+        certificates=True,
+    )
+    result = gflow.flow(problem, model, options)
+    sigma = gflow.singular_values(result.model)
+    report = {
+        "status": result.status_label,
+        "singular_values": [float(v) for v in sigma],
+        "stable_rank": gflow.stable_rank_of(sigma),
+        "effective_rank": gflow.effective_rank_of(sigma),
+        "loss": float(result.loss),
+        "loss_init": float(result.loss_init),
+        "t_end": float(result.t_end),
+        "num_steps": int(result.num_steps),
+        "num_rejected_steps": int(result.num_rejected_steps),
+        "num_rhs_evals": int(result.num_rhs_evals),
+        "wall_time_s": result.wall_time_s,
+        "compile_time_s": result.compile_time_s,
+        "unobserved_error": gflow.unobserved_error(result.model, problem),
+        "certificates": gflow.certificates(result, model, problem),
+        "config": _config(args),
+    }
+    if args.init == "identity" and args.problem in ("diagonal", "block-diagonal"):
+        n, s = (args.dim, 1) if args.problem == "diagonal" else (args.blocks, args.block_size)
+        report["family_spectrum"] = gflow.family_spectrum(result.model, n, s)
+    if args.json:
+        print(json.dumps(_jsonable(report)))
+    else:
+        print(f"status         {report['status']}")
+        print(f"t_end          {report['t_end']:.6g}   steps {report['num_steps']}")
+        print(f"loss           {report['loss']:.3e}")
+        print(f"singular vals  {np.array2string(sigma, precision=6)}")
+        print(f"stable rank    {report['stable_rank']:.6f}")
+        print(f"effective rank {report['effective_rank']:.6f}")
+        print(f"solve {report['wall_time_s']:.3f} s, compile {report['compile_time_s']:.2f} s")
+    return 0
+
+
+def cmd_theory(args) -> int:
+    import gflow
+
+    if args.problem == "diagonal":
+        n, s = args.dim, 1
+    elif args.problem == "block-diagonal":
+        n, s = args.blocks, args.block_size
+    else:
+        raise UsageError("gflow theory covers --problem diagonal and block-diagonal")
+    if args.init != "identity":
+        raise UsageError("gflow theory covers --init identity (the family of theory.md)")
+    report = gflow.family_prediction(args.depth, n, s, args.alpha, args.m, args.value, t=args.t)
+    report["config"] = _config(args)
+    print(json.dumps(_jsonable(report)))
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gflow", description="Exact gradient flow on deep matrix factorizations.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    run = sub.add_parser("run", help="integrate one flow to its limit")
+    _add_problem_options(run)
+    _add_solver_options(run)
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.set_defaults(func=cmd_run)
+    theory = sub.add_parser("theory", help="predicted singular values for the identity family")
+    _add_problem_options(theory)
+    theory.add_argument("--t", type=_float_or_inf, default=math.inf, help="time for σ_C(t)")
+    theory.set_defaults(func=cmd_theory)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = make_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return args.func(args)
+    except (UsageError, ValueError) as exc:
+        print(f"gflow: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gflow: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The flow engine against closed forms, an independent integrator and conservation laws."""
+
+import itertools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import take
+from reference import reference_flow
+
+import gflow
+
+ALPHAS = [1e-4, 1e-3, 1e-2, 0.1, 0.3]
+MS = [1.5, 2.0, 4.0, 16.0, math.inf]
+VALUES = [1.0, 2.5]
+# Every n in 2..6 appears at two depths in the default run; the full product is marked slow.
+DEFAULT_PAIRS = [(2, 2), (2, 6), (3, 3), (3, 4), (4, 5), (4, 2), (5, 4), (5, 6), (6, 3), (6, 5)]
+ALL_PAIRS = [p for p in itertools.product(range(2, 7), range(2, 7)) if p not in DEFAULT_PAIRS]
+
+
+def family_grid_errors(depth, n):
+    grid = list(itertools.product(ALPHAS, MS, VALUES))
+    problems = gflow.stack([gflow.diagonal(n, w) for _, _, w in grid])
+    models = gflow.stack([gflow.identity_family(n, depth, a, m) for a, m, _ in grid])
+    result = gflow.flow_batch(problems, models)
+    assert np.all(np.asarray(result.status) == gflow.Status.CONVERGED), result.status_label
+    worst = {"sigma_a": 0.0, "log_sigma_b": 0.0, "svd": 0.0}
+    for i, (alpha, m, w) in enumerate(grid):
+        model = take(result.model, i)
+        limit = gflow.family_limit(depth, n, 1, alpha, m, w)
+        measured = gflow.family_spectrum(model, n, 1)
+        worst["sigma_a"] = max(worst["sigma_a"], abs(measured["sigma_a"] / limit.sigma_a - 1))
+        worst["log_sigma_b"] = max(
+            worst["log_sigma_b"], abs(measured["log_sigma_b"] - limit.log_sigma_b)
+        )
+        predicted = np.sort(np.r_[limit.sigma_a, np.full(n - 1, limit.sigma_b)])[::-1]
+        sigma = gflow.singular_values(model)
+        resolved = predicted >= 1e-6 * predicted[0]
+        worst["svd"] = max(worst["svd"], np.max(np.abs(sigma[resolved] / predicted[resolved] - 1)))
+    return worst
+
+
+@pytest.mark.parametrize("depth, n", DEFAULT_PAIRS)
+def test_identity_family_matches_implicit_equations(depth, n):
+    worst = family_grid_errors(depth, n)
+    assert worst["sigma_a"] <= 1e-8 and worst["svd"] <= 1e-8, worst
+    # |Δ ln σ_B| is the relative error of σ_B, measured from the layers (below SVD resolution).
+    assert worst["log_sigma_b"] <= 1e-8, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("depth, n", ALL_PAIRS)
+def test_identity_family_matches_implicit_equations_full_grid(depth, n):
+    test_identity_family_matches_implicit_equations(depth, n)
+
+
+def test_block_problem_at_finite_time_matches_exact_modes():
+    """s > 1: σ_A, σ_B reach their limits while σ_C(T) follows its exact algebraic law."""
+    depth, n, s, alpha, m, t_max = 3, 2, 2, 0.1, 4.0, 50.0
+    r = gflow.flow(
+        gflow.block_diagonal(n, s), gflow.identity_family(n * s, depth, alpha, m), t_max=t_max
+    )
+    assert r.status_label == "t_max"
+    np.testing.assert_allclose(float(r.t_end), t_max, rtol=1e-12)
+    spec = gflow.family_spectrum(r.model, n, s)
+    limit = gflow.family_limit(depth, n, s, alpha, m)
+    np.testing.assert_allclose(spec["sigma_a"], limit.sigma_a, rtol=1e-8)
+    np.testing.assert_allclose(spec["sigma_b"], limit.sigma_b, rtol=1e-7)
+    np.testing.assert_allclose(
+        spec["sigma_c"], gflow.sigma_c_at(depth, n, s, alpha, m, t_max), rtol=1e-8
+    )
+
+
+def test_trajectory_checkpoints_of_theory_table_t5():
+    """theory.md T5: (L, n, s, m, α) = (3, 4, 1, 4, 0.1) at t = 1 and 5."""
+    problem = gflow.diagonal(4)
+    model = gflow.identity_family(4, 3, 0.1, 4.0)
+    for t, lam_a, lam_b, loss in [
+        (1.0, 2.1202447241996e-01, 8.1066942755577e-02, 1.9888857766e00),
+        (5.0, 1.1147512060946e00, 1.1742452180966e-01, 8.5143061835e-01),
+    ]:
+        r = gflow.flow(problem, model, t_max=t, rtol=1e-12, clock="physical")
+        lam = gflow.family_eigenvalues(r.model, 4, 1)
+        np.testing.assert_allclose(lam["A"], lam_a, rtol=1e-9)
+        np.testing.assert_allclose(lam["B"], lam_b, rtol=1e-9)
+        np.testing.assert_allclose(float(r.loss), loss, rtol=1e-9)
+
+
+def test_small_alpha_never_stops_at_t0_and_large_alpha_terminates():
+    problem = gflow.diagonal(3)
+    small = gflow.flow(problem, gflow.identity_family(3, 4, 1e-3, 4.0))
+    assert small.status_label == "converged"
+    escape = gflow.escape_time(4, 3, 1, 1e-3, 4.0)
+    assert float(small.t_end) > 0.5 * escape
+    assert float(small.loss) < 1e-18
+    large = gflow.flow(problem, gflow.identity_family(3, 4, 10.0, 4.0), max_steps=20_000)
+    assert large.status_label in ("converged", "diverged")
+    if large.status_label == "converged":
+        assert float(large.loss) < 1e-15 * float(large.loss_init)
+
+
+def test_overflowing_init_reports_diverged_not_exception():
+    r = gflow.flow(gflow.diagonal(3), gflow.identity_family(3, 3, 1e40, 4.0), max_steps=2000)
+    assert r.status_label == "diverged"
+
+
+def test_stopping_rule_is_scale_aware():
+    """The remaining-distance ratio is huge on the plateau of a small init and ≤ 1 at the end."""
+    problem = gflow.diagonal(3)
+    init = gflow.identity_family(3, 5, 1e-3, 4.0)
+    ratio0 = gflow._flow.remaining_distance_ratio(init, problem, 1e-10, 1e-15)
+    assert float(ratio0) > 1e10
+    r = gflow.flow(problem, init)
+    assert float(gflow._flow.remaining_distance_ratio(r.model, problem, 1e-10, 1e-15)) < 1e3
+
+
+@pytest.mark.parametrize("solver", ["dopri5", "dopri8"])
+def test_other_explicit_solvers_agree(solver):
+    problem, model = gflow.diagonal(3, 1.3), gflow.identity_family(3, 3, 1e-2, 2.0)
+    r = gflow.flow(problem, model, solver=solver)
+    limit = gflow.family_limit(3, 3, 1, 1e-2, 2.0, 1.3)
+    spec = gflow.family_spectrum(r.model, 3, 1)
+    assert r.status_label == "converged"
+    np.testing.assert_allclose(spec["sigma_a"], limit.sigma_a, rtol=1e-8)
+    np.testing.assert_allclose(spec["log_sigma_b"], limit.log_sigma_b, atol=1e-8)
+
+
+def test_stiff_solver_runs():
+    problem, model = gflow.diagonal(2), gflow.identity_family(2, 2, 0.1, 4.0)
+    r = gflow.flow(problem, model, solver="kvaerno5", rtol=1e-9)
+    assert r.status_label == "converged"
+    np.testing.assert_allclose(
+        float(r.model.product()[0, 1]), 2 * 4 / 17, rtol=1e-7
+    )  # theory.md §2: X₁₂ = 2m/(m²+1)
+
+
+def test_balancedness_conserved_along_trajectory():
+    problem = gflow.bernoulli(6, 6, 0.6, 1, key=1)
+    init = gflow.gaussian([6, 5, 7, 6], 0.5, key=4)
+    r = gflow.flow(problem, init, save=24, save_layers=True, certificates=True)
+    traj = r.trajectory.compress()
+    assert len(traj.t) >= 10 and np.all(np.diff(traj.t) >= 0)
+    d0 = gflow.balancedness(init)
+    for k in range(len(traj.t)):
+        layers = gflow.Factorization([w[k] for w in traj.layers.layers])
+        for a, b in zip(d0, gflow.balancedness(layers), strict=True):
+            assert np.linalg.norm(b - a) <= 1e-8 * max(np.linalg.norm(b), 1.0)
+    assert gflow.balancedness_drift(init, r.model) <= 1e-9
+    assert gflow.energy_residual(r) <= 1e-8
+    # the sampled loss decreases, as it must along a gradient flow
+    assert np.all(np.diff(traj.loss) <= 1e-12 * traj.loss[0])
+
+
+def test_batch_members_are_independent_and_equal_single_runs():
+    problem = gflow.diagonal(3)
+    inits = [gflow.identity_family(3, 3, a, 4.0) for a in (0.05, 0.2, 1e40)]
+    batch = gflow.flow_batch(problem, gflow.stack(inits), max_steps=5000)
+    assert batch.status_label == ["converged", "converged", "diverged"]
+    single = gflow.flow(problem, inits[1], max_steps=5000)
+    np.testing.assert_allclose(
+        np.asarray(take(batch.model, 1).product()),
+        np.asarray(single.model.product()),
+        rtol=1e-12,
+        atol=1e-14,
+    )
+
+
+@pytest.mark.parametrize("depth, alpha, seed", [(2, 0.3, 1), (3, 0.5, 2)])
+def test_cli_file_inputs_match_independent_reference(tmp_path, capsys, depth, alpha, seed):
+    d = 6
+    problem = gflow.bernoulli(d, d, 0.6, 1, key=seed)
+    init = gflow.gaussian([d] * (depth + 1), alpha, key=seed + 10)
+    np.save(tmp_path / "target.npy", np.asarray(problem.target))
+    np.save(tmp_path / "mask.npy", np.asarray(problem.mask))
+    np.save(tmp_path / "init.npy", np.stack([np.asarray(w) for w in init.layers]))
+    argv = ["run", "--problem", "file", "--target", str(tmp_path / "target.npy")]
+    argv += ["--mask", str(tmp_path / "mask.npy"), "--init", "file"]
+    argv += ["--init-file", str(tmp_path / "init.npy"), "--json"]
+    assert gflow._cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "converged"
+    ref_layers, ref_loss = reference_flow(
+        [np.asarray(w) for w in init.layers],
+        np.asarray(problem.target),
+        np.asarray(problem.mask),
+        1.5 * report["t_end"],
+    )
+    assert ref_loss <= 1e-20
+    x_ref = ref_layers[0]
+    for w in ref_layers[1:]:
+        x_ref = w @ x_ref
+    s_ref = np.linalg.svd(x_ref, compute_uv=False)
+    s = np.asarray(report["singular_values"])
+    big = s_ref >= 1e-3 * s_ref[0]
+    np.testing.assert_allclose(s[big], s_ref[big], rtol=1e-7)
+    assert report["loss"] <= 1e-18
+    for key in [
+        "stable_rank",
+        "effective_rank",
+        "num_steps",
+        "num_rhs_evals",
+        "wall_time_s",
+        "compile_time_s",
+        "config",
+    ]:
+        assert key in report
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--alpha", "0"], "alpha"),
+        (["run", "--depth", "0"], "depth"),
+        (["run", "--m", "1"], "m must be > 1"),
+        (["run", "--solver", "euler"], "invalid choice"),
+        (["run", "--problem", "file"], "--target"),
+        (["run", "--problem", "file", "--target", "nope.npy", "--mask", "x.npy"], "no such file"),
+        (["run", "--rtol", "2"], "rtol"),
+        (["run", "--bogus"], "unrecognized"),
+    ],
+)
+def test_cli_bad_options_exit_2_with_one_line(capsys, argv, message):
+    assert gflow._cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_float64_is_the_default():
+    assert jnp.zeros(1).dtype == jnp.float64
+    assert gflow.diagonal(2).target.dtype == jnp.float64
+    assert jax.config.jax_enable_x64

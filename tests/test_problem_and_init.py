@@ -1,0 +1,125 @@
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gflow
+
+
+def test_block_diagonal_layout():
+    p = gflow.block_diagonal(3, 2, value=2.5)
+    assert p.shape == (6, 6)
+    np.testing.assert_array_equal(np.asarray(p.mask), np.kron(np.eye(3), np.ones((2, 2))))
+    np.testing.assert_array_equal(np.asarray(p.target), np.full((6, 6), 2.5))
+    assert p.target.dtype == jnp.float64
+    assert gflow.diagonal(4).num_observed == 4
+
+
+def test_bernoulli_rank_and_density():
+    p = gflow.bernoulli(30, 20, 0.4, 2, key=7)
+    assert np.linalg.matrix_rank(np.asarray(p.target)) == 2
+    assert 0.25 < p.num_observed / 600 < 0.55
+    again = gflow.bernoulli(30, 20, 0.4, 2, key=7)
+    np.testing.assert_array_equal(np.asarray(p.mask), np.asarray(again.mask))
+
+
+def test_noise_only_touches_observed_entries():
+    clean = gflow.block_diagonal(2, 2)
+    noisy = gflow.block_diagonal(2, 2, noise=0.1, key=3)
+    diff = np.asarray(noisy.target - clean.target)
+    assert np.all(diff[np.asarray(clean.mask) == 0] == 0)
+    assert np.any(diff[np.asarray(clean.mask) == 1] != 0)
+
+
+@pytest.mark.parametrize(
+    "target, mask, message",
+    [
+        (np.ones((3, 3)), np.ones((3, 2)), "does not match"),
+        (np.ones(3), np.ones(3), "2-D"),
+        (np.full((2, 2), np.nan), np.eye(2), "non-finite"),
+        (np.ones((2, 2)), np.zeros((2, 2)), "empty"),
+        (np.ones((2, 2)), 0.5 * np.eye(2), "only 0 and 1"),
+    ],
+)
+def test_problem_validation(target, mask, message):
+    with pytest.raises(ValueError, match=message):
+        gflow.Problem(target, mask)
+
+
+def test_unobserved_nan_is_allowed():
+    target = np.ones((2, 2))
+    target[0, 1] = np.nan
+    gflow.Problem(target, np.eye(2))
+
+
+def test_load_problem_roundtrip(tmp_path):
+    p = gflow.bernoulli(5, 4, 0.5, 1, key=1)
+    np.save(tmp_path / "t.npy", np.asarray(p.target))
+    np.save(tmp_path / "m.npy", np.asarray(p.mask))
+    q = gflow.load_problem(tmp_path / "t.npy", tmp_path / "m.npy")
+    np.testing.assert_array_equal(np.asarray(q.target), np.asarray(p.target))
+
+
+def test_identity_family_values():
+    f = gflow.identity_family(3, depth=4, alpha=0.2, m=4.0)
+    assert f.depth == 4 and f.widths == (3, 3, 3, 3, 3)
+    expected = 0.2 * (0.75 * np.eye(3) + 0.25 * np.ones((3, 3)))
+    for w in f.layers:
+        np.testing.assert_allclose(np.asarray(w), expected, rtol=0, atol=1e-16)
+    np.testing.assert_array_equal(
+        np.asarray(gflow.identity_family(3, 2, 0.5, math.inf).layers[0]), 0.5 * np.eye(3)
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(alpha=0.0), "alpha"),
+        (dict(alpha=-1.0), "alpha"),
+        (dict(alpha=math.nan), "alpha"),
+        (dict(depth=0), "depth"),
+        (dict(m=1.0), "m must be > 1"),
+        (dict(m=0.5), "m must be > 1"),
+    ],
+)
+def test_identity_family_validation(kwargs, message):
+    args = dict(d=3, depth=2, alpha=0.1, m=4.0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        gflow.identity_family(**args)
+
+
+def test_random_inits_are_seeded_and_scaled():
+    a = gflow.gaussian([50, 40, 30], 0.5, key=3)
+    b = gflow.gaussian([50, 40, 30], 0.5, key=3)
+    assert a.widths == (50, 40, 30)
+    np.testing.assert_array_equal(np.asarray(a.layers[1]), np.asarray(b.layers[1]))
+    # entries ~ α·N(0, 1/d_in)
+    assert abs(np.std(np.asarray(a.layers[0])) - 0.5 / math.sqrt(50)) < 0.01
+    q = gflow.orthogonal([6, 6, 6], 2.0, key=1)
+    w = np.asarray(q.layers[0])
+    np.testing.assert_allclose(w @ w.T, 4.0 * np.eye(6), atol=1e-13)
+    with pytest.raises(ValueError, match="widths"):
+        gflow.gaussian([4], 0.1, key=0)
+
+
+def test_load_init_npy_and_npz(tmp_path):
+    stack = np.random.default_rng(0).normal(size=(3, 4, 4))
+    np.save(tmp_path / "w.npy", stack)
+    f = gflow.load_init(tmp_path / "w.npy")
+    assert f.depth == 3
+    np.testing.assert_array_equal(np.asarray(f.layers[2]), stack[2])
+    layers = {f"W{i + 1}": np.ones((i + 2, i + 1)) for i in range(11)}
+    np.savez(tmp_path / "w.npz", **layers)
+    g = gflow.load_init(tmp_path / "w.npz")
+    assert g.widths == tuple(range(1, 13))  # natural order: W10 after W9
+    with pytest.raises(ValueError, match="stack"):
+        np.save(tmp_path / "bad.npy", np.ones((4, 4)))
+        gflow.load_init(tmp_path / "bad.npy")
+
+
+def test_model_validation():
+    with pytest.raises(ValueError, match="do not chain"):
+        gflow.Factorization([np.ones((3, 2)), np.ones((3, 4))])
+    with pytest.raises(ValueError, match="does not match|problem is"):
+        gflow.flow(gflow.diagonal(3), gflow.identity_family(4, 2, 0.1))
