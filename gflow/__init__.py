@@ -27,6 +27,17 @@ from ._certificates import balancedness as balancedness
 from ._certificates import balancedness_drift as balancedness_drift
 from ._certificates import certificates as certificates
 from ._certificates import energy_residual as energy_residual
+from ._compare import FamilyConfig as FamilyConfig
+from ._compare import compare_family as compare_family
+from ._compare import compare_family_batch as compare_family_batch
+from ._compare import format_table as format_table
+from ._compare import plot_rank_vs_alpha as plot_rank_vs_alpha
+from ._coupling import CouplingReport as CouplingReport
+from ._coupling import bipartite_components as bipartite_components
+from ._coupling import coupling as coupling
+from ._coupling import gram as gram
+from ._coupling import trajectory_coupling as trajectory_coupling
+from ._coupling import trajectory_models as trajectory_models
 from ._measures import effective_rank as effective_rank
 from ._measures import effective_rank_of as effective_rank_of
 from ._measures import family_eigenvalues as family_eigenvalues

@@ -60,7 +60,9 @@ class FlowOptions:
     - `clock`: `auto`, `physical` or `loss` (see the module docs).
     - `loss_clock_until`: the loss clock hands over to physical time once the loss has dropped
       to this fraction of its initial value.
-    - `save`: number of trajectory samples to keep (0: none); `save_layers` keeps the layers too.
+    - `save`: trajectory samples per clock phase (0: none); `save_layers` keeps the layers too.
+      On the loss clock samples are evenly spaced in log(loss); in physical time they are
+      log-spaced from 1e-3 to 1e8 loss time-scales (or up to `t_max`).
     - `certificates`: carry the energy integral ∫‖∇loss‖² dt as an extra state.
     - `divergence_bound`: |θ_i| above this counts as diverged.
     """
@@ -252,8 +254,10 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
     diverged = lambda t, y, args, **kw: _is_diverged(y["model"], args[0], options.divergence_bound)
     num_sv = min(problem.shape)
     n_save = options.save
-    n1 = n_save // 2 if options.clock != "physical" else 0
-    n2 = n_save - n1
+    # Each clock phase gets the full sample budget; samples of a phase that did not run are
+    # marked invalid (t = inf) and dropped by `Trajectory.compress`.
+    n1 = n_save if options.clock != "physical" else 0
+    n2 = n_save
     summary = _summary(options.save_layers, num_sv)
 
     # Phase 1: the loss clock, carrying t.
@@ -297,7 +301,7 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         loss_mid = problem.loss(y2["model"].product())
         h_mid = _loss_time_scale(loss_mid, tree_dot(g_mid, g_mid))
         h_mid = jnp.where(h_mid > 0, h_mid, 1.0)
-        hi = jnp.where(jnp.isfinite(t1_local), t1_local, h_mid * 1e10)
+        hi = jnp.where(jnp.isfinite(t1_local), t1_local, h_mid * 1e8)
         lo = jnp.minimum(h_mid * 1e-3, hi)
         grid = jnp.concatenate([jnp.zeros(1, dtype), jnp.geomspace(1.0, hi / lo, n2 - 1) * lo])
         grid2 = jnp.minimum(grid, t1_local)

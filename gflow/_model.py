@@ -17,7 +17,8 @@ class Factorization(eqx.Module):
 
     `layers[0]` is W_1 (shape `(d_1, d_0)`) and `layers[-1]` is W_L (shape `(d_L, d_{L-1})`),
     so X has shape `(d_L, d_0)`. The widths d_0 … d_L are fixed by the layer shapes; the depth
-    is the number of layers (static: it changes the pytree).
+    is the number of layers (static: it changes the pytree). Leading axes, if any, are batch
+    axes (see `gflow.stack`).
     """
 
     layers: tuple[Float[Array, ...], ...]
@@ -27,10 +28,10 @@ class Factorization(eqx.Module):
         if len(layers) < 1:
             raise ValueError("a factorization needs at least one layer (depth L >= 1)")
         for i, w in enumerate(layers):
-            if w.ndim != 2:
+            if w.ndim < 2:
                 raise ValueError(f"layer {i + 1} must be a matrix, got shape {w.shape}")
         for i in range(1, len(layers)):
-            if layers[i].shape[1] != layers[i - 1].shape[0]:
+            if layers[i].shape[-1] != layers[i - 1].shape[-2]:
                 raise ValueError(
                     f"layer widths do not chain: W_{i + 1} has shape {layers[i].shape} but "
                     f"W_{i} has shape {layers[i - 1].shape}"
