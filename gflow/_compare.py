@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from ._measures import family_ranks, family_spectrum
@@ -75,11 +74,7 @@ def compare_family(result: FlowResult, config: FamilyConfig) -> dict:
 
 def compare_family_batch(result: FlowResult, configs) -> list[dict]:
     """Rows for a batched result (from `flow_batch`), one per config, in order."""
-    rows = []
-    for i, config in enumerate(configs):
-        member = jax.tree_util.tree_map(lambda x, i=i: x[i], result)
-        rows.append(compare_family(member, config))
-    return rows
+    return [compare_family(result.member(i), config) for i, config in enumerate(configs)]
 
 
 def format_table(rows: list[dict], columns=None) -> str:

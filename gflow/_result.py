@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -89,6 +90,10 @@ class FlowResult(eqx.Module):
     trajectory: Trajectory | None = None
     wall_time_s: float = float("nan")
     compile_time_s: float = float("nan")
+
+    def member(self, i: int) -> FlowResult:
+        """Member `i` of a batched result (from `flow_batch`)."""
+        return jax.tree_util.tree_map(lambda x: x[i] if getattr(x, "ndim", 0) else x, self)
 
     @property
     def status_label(self) -> str | list[str]:

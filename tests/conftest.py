@@ -1,4 +1,3 @@
-import jax
 import numpy as np
 import pytest
 
@@ -9,7 +8,3 @@ import gflow  # noqa: F401  (switches JAX to float64 before any test builds arra
 def rng():
     return np.random.default_rng(20260301)
 
-
-def take(tree, i):
-    """Member i of a batched pytree."""
-    return jax.tree_util.tree_map(lambda x: x[i], tree)
