@@ -38,6 +38,11 @@ from ._coupling import coupling as coupling
 from ._coupling import gram as gram
 from ._coupling import trajectory_coupling as trajectory_coupling
 from ._coupling import trajectory_models as trajectory_models
+from ._descend import OPTIMIZERS as OPTIMIZERS
+from ._descend import DescentOptions as DescentOptions
+from ._descend import descend as descend
+from ._descend import endpoint_distance as endpoint_distance
+from ._descend import loglog_slope as loglog_slope
 from ._measures import effective_rank as effective_rank
 from ._measures import effective_rank_of as effective_rank_of
 from ._measures import family_eigenvalues as family_eigenvalues

@@ -44,7 +44,9 @@ SOLVERS = {
     "dopri5": diffrax.Dopri5,
     "dopri8": diffrax.Dopri8,
     "kvaerno5": diffrax.Kvaerno5,
+    "euler": diffrax.Euler,
 }
+FIXED_STEP = ("euler",)
 CLOCKS = ("auto", "physical", "loss")
 
 
@@ -65,6 +67,10 @@ class FlowOptions:
       log-spaced from 1e-3 to 1e8 loss time-scales (or up to `t_max`).
     - `certificates`: carry the energy integral ∫‖∇loss‖² dt as an extra state.
     - `divergence_bound`: |θ_i| above this counts as diverged.
+    - `dt`: the fixed step of `solver="euler"` (explicit Euler is gradient descent with
+      learning rate dt: a reference for `descend`).
+    - `save_ts`: explicit physical times to sample (implies the physical clock); with it the
+      trajectory holds exactly these times (inf past the end of the solve).
     """
 
     solver: str = "tsit5"
@@ -78,8 +84,26 @@ class FlowOptions:
     save_layers: bool = False
     certificates: bool = False
     divergence_bound: float = 1e100
+    dt: float | None = None
+    save_ts: tuple[float, ...] | None = None
 
     def __post_init__(self):
+        if self.save_ts is not None:
+            ts = tuple(float(t) for t in self.save_ts)
+            if not ts or any(b < a for a, b in zip(ts, ts[1:], strict=False)) or ts[0] < 0:
+                raise ValueError("save_ts must be a non-empty, non-decreasing list of times >= 0")
+            object.__setattr__(self, "save_ts", ts)
+            if self.clock == "loss":
+                raise ValueError("save_ts (physical times) needs clock='physical' or 'auto'")
+            object.__setattr__(self, "clock", "physical")
+        if self.solver in FIXED_STEP:
+            if self.dt is None or not (self.dt > 0):
+                raise ValueError(f"solver {self.solver!r} takes a fixed step: pass dt > 0")
+            if self.clock == "loss":
+                raise ValueError("fixed-step solvers run on the physical clock")
+            object.__setattr__(self, "clock", "physical")
+        elif self.dt is not None:
+            raise ValueError("dt is only for fixed-step solvers (solver='euler')")
         if self.solver not in SOLVERS:
             raise ValueError(f"unknown solver {self.solver!r}; choose from {sorted(SOLVERS)}")
         if self.clock not in CLOCKS:
@@ -231,7 +255,10 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
     if atol is None:
         atol = 1e-2 * rtol * jnp.sqrt(jnp.mean(theta0**2))
         atol = jnp.where(atol > 0, atol, 1e-2 * rtol)
-    controller = _FiniteErrorPID(rtol=rtol, atol=atol)
+    if options.solver in FIXED_STEP:
+        controller, dt0 = diffrax.ConstantStepSize(), options.dt
+    else:
+        controller, dt0 = _FiniteErrorPID(rtol=rtol, atol=atol), None
 
     loss0, g0 = loss_and_gradient(model, problem)
     h0 = _loss_time_scale(loss0, tree_dot(g0, g0))
@@ -275,7 +302,7 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         solver,
         t0=0.0,
         t1=tau_switch,
-        dt0=None,
+        dt0=dt0,
         y0=y1,
         args=(problem, 0.0, True),
         stepsize_controller=controller,
@@ -296,7 +323,9 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         y2["energy"] = y_mid["energy"]
     t1_local = jnp.where(finished, 0.0, t_max - t_switch)
     grid2 = None
-    if n2:
+    if options.save_ts is not None:
+        grid2 = jnp.minimum(jnp.asarray(options.save_ts, dtype), t1_local)
+    elif n2:
         _, g_mid = loss_and_gradient(y2["model"], problem)
         loss_mid = problem.loss(y2["model"].product())
         h_mid = _loss_time_scale(loss_mid, tree_dot(g_mid, g_mid))
@@ -310,7 +339,7 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         solver,
         t0=0.0,
         t1=t1_local,
-        dt0=None,
+        dt0=dt0,
         y0=y2,
         args=(problem, t_switch, False),
         stepsize_controller=controller,
@@ -333,13 +362,16 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         rhs = -jnp.ones_like(steps)
 
     trajectory = None
-    if n_save:
+    if n_save or options.save_ts is not None:
         parts = []
         if n1:
             s1 = dict(sol1.ys[1])
             s1["t"] = jnp.where(use_loss_clock, s1["t"], jnp.inf)
             parts.append(s1)
         s2 = dict(sol2.ys[1])
+        if options.save_ts is not None:
+            # a horizon before the last requested time clips the grid; mark those samples
+            s2["t"] = jnp.where(jnp.asarray(options.save_ts) <= t_max, s2["t"], jnp.inf)
         s2["t"] = jnp.where(finished, jnp.inf, s2["t"])
         parts.append(s2)
         cat = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)

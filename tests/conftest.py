@@ -7,4 +7,3 @@ import gflow  # noqa: F401  (switches JAX to float64 before any test builds arra
 @pytest.fixture(scope="session")
 def rng():
     return np.random.default_rng(20260301)
-

@@ -1,0 +1,256 @@
+"""Discrete optimizers (optax) on the same model and problem, with the flow's stopping rule,
+status codes and result type, so that every analysis works on both.
+
+Iterate k sits at time t = k·lr, the time at which gradient descent is compared with the flow.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._flow import _flatten, _is_diverged, remaining_distance_ratio
+from ._model import Factorization, loss_and_gradient, tree_dot
+from ._problem import Problem
+from ._result import FlowResult, Status, Trajectory
+
+OPTIMIZERS = {
+    "sgd": lambda lr: optax.sgd(lr),
+    "momentum": lambda lr: optax.sgd(lr, momentum=0.9),
+    "nesterov": lambda lr: optax.sgd(lr, momentum=0.9, nesterov=True),
+    "adam": lambda lr: optax.adam(lr),
+    "rmsprop": lambda lr: optax.rmsprop(lr),
+    "adagrad": lambda lr: optax.adagrad(lr),
+}
+
+
+@dataclass(frozen=True)
+class DescentOptions:
+    """How to run a discrete optimizer.
+
+    - `optimizer`: a preset name (`sgd`, `momentum`, `nesterov`, `adam`, `rmsprop`, `adagrad`)
+      or any `optax.GradientTransformation` (then `lr` only sets the time axis t = k·lr).
+    - `lr`: the learning rate (> 0).
+    - `max_steps`: the step budget; `t_max`: stop at k·lr ≥ t_max.
+    - `rtol`, `atol`: the stopping rule of `flow` (remaining displacement within tolerance).
+    - `save_every`: record loss and singular values every this many steps (0: never);
+      `save_layers` keeps the layers too; at most `max_saves` records.
+    """
+
+    optimizer: str | optax.GradientTransformation = "sgd"
+    lr: float = 1e-2
+    max_steps: int = 1_000_000
+    t_max: float = math.inf
+    rtol: float = 1e-10
+    atol: float | None = None
+    save_every: int = 0
+    save_layers: bool = False
+    max_saves: int = 256
+    divergence_bound: float = 1e100
+
+    def __post_init__(self):
+        if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"unknown optimizer {self.optimizer!r}; choose from {sorted(OPTIMIZERS)}"
+            )
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
+        if not (isinstance(self.max_steps, int) and self.max_steps >= 1):
+            raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
+        if not (0 < self.rtol < 1):
+            raise ValueError(f"rtol must lie in (0, 1), got {self.rtol}")
+        if not (isinstance(self.save_every, int) and self.save_every >= 0):
+            raise ValueError("save_every must be a non-negative integer")
+
+    def transformation(self) -> optax.GradientTransformation:
+        if isinstance(self.optimizer, str):
+            return OPTIMIZERS[self.optimizer](self.lr)
+        return self.optimizer
+
+
+def descend_solve(problem: Problem, model: Factorization, options: DescentOptions) -> FlowResult:
+    """The descent engine: one `lax.while_loop`, jittable and vmappable."""
+    opt = options.transformation()
+    dtype = model.layers[0].dtype
+    rtol = options.rtol
+    atol = options.atol
+    if atol is None:
+        theta0 = _flatten(model)
+        atol = 1e-2 * rtol * jnp.sqrt(jnp.mean(theta0**2))
+        atol = jnp.where(atol > 0, atol, 1e-2 * rtol)
+    steps_for_t_max = (
+        options.max_steps
+        if math.isinf(options.t_max)
+        else min(options.max_steps, math.ceil(options.t_max / options.lr - 1e-9))
+    )
+    loss0 = problem.loss(model.product())
+    num_sv = min(problem.shape)
+    saving = options.save_every > 0
+    n_save = min(options.max_saves, options.max_steps // max(options.save_every, 1) + 1)
+
+    def record(buffers, k, params, loss):
+        slot = k // options.save_every
+        write = (k % options.save_every == 0) & (slot < n_save)
+        slot = jnp.minimum(slot, n_save - 1)
+        new = {
+            "t": k * options.lr,
+            "loss": loss,
+            "sv": jnp.linalg.svd(params.product(), compute_uv=False)[:num_sv],
+        }
+        if options.save_layers:
+            new["layers"] = params
+        return jax.tree_util.tree_map(
+            lambda buf, v: buf.at[slot].set(jnp.where(write, v, buf[slot])), buffers, new
+        )
+
+    def cond(state):
+        return state["status"] < 0
+
+    def body(state):
+        params, k = state["params"], state["k"]
+        loss, g = loss_and_gradient(params, problem)
+        ratio = remaining_distance_ratio(params, problem, rtol, atol)
+        diverged = _is_diverged(params, problem, options.divergence_bound)
+        status = jnp.where(
+            diverged,
+            Status.DIVERGED,
+            jnp.where(
+                ratio <= 1.0,
+                Status.CONVERGED,
+                jnp.where(
+                    k >= steps_for_t_max,
+                    jnp.where(k >= options.max_steps, Status.MAX_STEPS, Status.T_MAX),
+                    -1,
+                ),
+            ),
+        ).astype(jnp.int32)
+        if saving:
+            state["saves"] = record(state["saves"], k, params, loss)
+        updates, opt_state = opt.update(g, state["opt_state"], params)
+        stop = status >= 0
+        new_params = jax.tree_util.tree_map(lambda p, u: jnp.where(stop, p, p + u), params, updates)
+        return {
+            **state,
+            "params": new_params,
+            "opt_state": opt_state,
+            "k": jnp.where(stop, k, k + 1),
+            "status": status,
+            "loss": loss,
+            "energy": state["energy"] + jnp.where(stop, 0.0, options.lr * tree_dot(g, g)),
+        }
+
+    state = {
+        "params": model,
+        "opt_state": opt.init(model),
+        "k": jnp.zeros((), jnp.int64 if dtype == jnp.float64 else jnp.int32),
+        "status": jnp.asarray(-1, jnp.int32),
+        "loss": loss0,
+        "energy": jnp.zeros((), dtype),
+    }
+    if saving:
+        template = {
+            "t": jnp.full((n_save,), jnp.inf, dtype),
+            "loss": jnp.full((n_save,), jnp.inf, dtype),
+            "sv": jnp.full((n_save, num_sv), jnp.inf, dtype),
+        }
+        if options.save_layers:
+            template["layers"] = jax.tree_util.tree_map(
+                lambda w: jnp.zeros((n_save,) + w.shape, w.dtype), model
+            )
+        state["saves"] = template
+    final = jax.lax.while_loop(cond, body, state)
+    trajectory = None
+    if saving:
+        s = final["saves"]
+        trajectory = Trajectory(s["t"], s["loss"], s["sv"], s.get("layers"))
+    k = final["k"]
+    return FlowResult(
+        model=final["params"],
+        status=final["status"],
+        t_end=k * options.lr,
+        loss=final["loss"],
+        loss_init=loss0,
+        num_steps=k,
+        num_accepted_steps=k,
+        num_rejected_steps=jnp.zeros_like(k),
+        num_rhs_evals=k + 1,
+        energy=final["energy"],
+        trajectory=trajectory,
+    )
+
+
+_COMPILED: dict = {}
+
+
+def descend(
+    problem: Problem,
+    model: Factorization,
+    options: DescentOptions | None = None,
+    **kwargs,
+) -> FlowResult:
+    """Run an optax optimizer on `model` for `problem`, the whole loop compiled.
+
+    Takes `DescentOptions` or its fields as keywords (`descend(p, m, optimizer="adam",
+    lr=1e-3)`). Returns a `FlowResult` (t = steps × lr, `energy` = Σ lr·‖∇loss‖², which for
+    gradient descent equals loss(0) − loss only up to O(lr²) per step). A diverging learning
+    rate gives `Status.DIVERGED`, not an exception.
+    """
+    if options is None:
+        options = DescentOptions(**kwargs)
+    elif kwargs:
+        raise TypeError("pass either `options` or keyword options, not both")
+    model.check_problem(problem)
+    key = (
+        options,
+        jax.tree_util.tree_structure((problem, model)),
+        tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves((problem, model))),
+    )
+    compiled = _COMPILED.get(key)
+    compile_time = 0.0
+    if compiled is None:
+        start = time.perf_counter()
+        fn = lambda p, m: descend_solve(p, m, options)
+        compiled = jax.jit(fn).lower(problem, model).compile()
+        compile_time = time.perf_counter() - start
+        if isinstance(options.optimizer, str):
+            _COMPILED[key] = compiled
+    start = time.perf_counter()
+    result = compiled(problem, model)
+    jax.block_until_ready(result)
+    wall = time.perf_counter() - start
+    return eqx.tree_at(lambda r: (r.wall_time_s, r.compile_time_s), result, (wall, compile_time))
+
+
+def endpoint_distance(result: FlowResult, reference: FlowResult, problem: Problem, top=None):
+    """How far an endpoint is from a reference endpoint (typically the flow's).
+
+    Returns the max relative error of the top singular values (`top` of them, default all
+    ≥ 1e-6·σ₁ of the reference), the stable-rank difference, and the max absolute difference on
+    unobserved entries.
+    """
+    from ._measures import singular_values, stable_rank_of
+
+    s = singular_values(result.model)
+    s_ref = singular_values(reference.model)
+    if top is None:
+        top = int(np.sum(s_ref >= 1e-6 * s_ref[0]))
+    rel = np.abs(s[:top] / s_ref[:top] - 1)
+    off = np.asarray(problem.mask) == 0
+    x, x_ref = np.asarray(result.model.product()), np.asarray(reference.model.product())
+    return {
+        "singular_values": float(rel.max()),
+        "stable_rank": abs(stable_rank_of(s) - stable_rank_of(s_ref)),
+        "unobserved": float(np.max(np.abs(x - x_ref)[off])) if off.any() else 0.0,
+    }
+
+
+def loglog_slope(x, y) -> float:
+    """Least-squares slope of log y against log x."""
+    return float(np.polyfit(np.log(np.asarray(x, float)), np.log(np.asarray(y, float)), 1)[0])
