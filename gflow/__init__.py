@@ -53,6 +53,11 @@ from ._measures import singular_values as singular_values
 from ._measures import stable_rank as stable_rank
 from ._measures import stable_rank_of as stable_rank_of
 from ._measures import unobserved_error as unobserved_error
+from ._plasticity import PlasticityResult as PlasticityResult
+from ._plasticity import connected_superset_mask as connected_superset_mask
+from ._plasticity import dxd_study as dxd_study
+from ._plasticity import plasticity as plasticity
+from ._plasticity import two_by_two_problem as two_by_two_problem
 from ._theory import FamilyLimit as FamilyLimit
 from ._theory import diagonal_l2_limit as diagonal_l2_limit
 from ._theory import escape_time as escape_time
