@@ -58,6 +58,11 @@ from ._plasticity import connected_superset_mask as connected_superset_mask
 from ._plasticity import dxd_study as dxd_study
 from ._plasticity import plasticity as plasticity
 from ._plasticity import two_by_two_problem as two_by_two_problem
+from ._sweep import SweepSpec as SweepSpec
+from ._sweep import export_table as export_table
+from ._sweep import load_spec as load_spec
+from ._sweep import load_sweep as load_sweep
+from ._sweep import sweep as sweep
 from ._theory import FamilyLimit as FamilyLimit
 from ._theory import diagonal_l2_limit as diagonal_l2_limit
 from ._theory import escape_time as escape_time

@@ -10,6 +10,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # silence XLA's C++ chatter on stderr
 
+from pathlib import Path  # noqa: E402
+
+EXAMPLE_SWEEP = Path(__file__).parent / "configs" / "sweep_example.toml"
+
 
 class UsageError(Exception):
     """A bad option: reported as one line, exit code 2."""
@@ -59,7 +63,7 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
     from ._flow import SOLVERS
 
     g = p.add_argument_group("solver")
-    g.add_argument("--solver", choices=sorted(SOLVERS), default="tsit5")
+    g.add_argument("--solver", choices=["auto", *sorted(SOLVERS)], default="auto")
     g.add_argument("--rtol", type=float, default=1e-10)
     g.add_argument("--atol", type=float, default=None, help="default: scaled to the init")
     g.add_argument("--t-max", type=_float_or_inf, default=math.inf)
@@ -195,6 +199,69 @@ def cmd_theory(args) -> int:
     return 0
 
 
+def cmd_plasticity(args) -> int:
+    import gflow
+
+    if args.study == "2x2":
+        problem, pretrain_mask = gflow.two_by_two_problem(args.value)
+        rows = []
+        for depth in args.depths:
+            for m in args.ms:
+                init = gflow.identity_family(2, depth, args.alpha, m)
+                r = gflow.plasticity(problem, pretrain_mask, init)
+                rows.append({"L": depth, "m": m, "alpha": args.alpha} | r.as_dict())
+    else:
+        rows = gflow.dxd_study(
+            args.dim,
+            args.depths,
+            args.alphas,
+            rank=args.rank,
+            seed=args.seed,
+            m=args.ms[0],
+            init=args.init,
+        )
+    if args.json:
+        print(json.dumps(_jsonable(rows)))
+        return 0
+    for row in rows:
+        if args.study == "2x2":
+            w, c = row["warm"], row["cold"]
+            print(
+                f"L={row['L']} m={row['m']:g}: warm X21={w['unobserved_values']['1,0']:+.6f} "
+                f"srank={w['stable_rank']:.6f} moved={w['distance_travelled']:.3f} | "
+                f"cold X21={c['unobserved_values']['1,0']:+.6f} srank={c['stable_rank']:.6f}"
+            )
+        else:
+            print(
+                f"L={row['L']} α={row['alpha']:g}: pretrain {row['pretrain_coupling']}, "
+                f"srank warm {row['warm_stable_rank']:.4f} vs cold {row['cold_stable_rank']:.4f}, "
+                f"moved warm {row['warm_distance']:.3f} vs cold {row['cold_distance']:.3f}"
+            )
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    import gflow
+
+    if args.example:
+        print(EXAMPLE_SWEEP.read_text())
+        return 0
+    if not args.config:
+        raise UsageError("gflow sweep needs CONFIG.toml (or --example to print one)")
+    spec = gflow.load_spec(_existing(args.config))
+    out = args.out or os.path.splitext(os.path.basename(args.config))[0] + ".zarr"
+    try:
+        ds = gflow.sweep(spec, out, resume=args.resume, progress=not args.quiet)
+    except FileExistsError as exc:
+        raise UsageError(str(exc)) from None
+    if args.csv:
+        gflow.export_table(ds, args.csv)
+    labels = {int(s): gflow.Status(int(s)).label for s in set(ds["status"].values.ravel())}
+    counts = {labels[int(s)]: int((ds["status"].values == s).sum()) for s in labels}
+    print(json.dumps({"out": out, "flows": int(ds["status"].size), "status": counts}))
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gflow", description="Exact gradient flow on deep matrix factorizations.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -207,6 +274,27 @@ def make_parser() -> argparse.ArgumentParser:
     _add_problem_options(theory)
     theory.add_argument("--t", type=_float_or_inf, default=math.inf, help="time for σ_C(t)")
     theory.set_defaults(func=cmd_theory)
+    plast = sub.add_parser("plasticity", help="pretrain on few entries, resume warm vs cold")
+    plast.add_argument("--study", choices=["2x2", "dxd"], default="2x2")
+    plast.add_argument("--depths", type=int, nargs="+", default=[2, 3])
+    plast.add_argument("--ms", type=_float_or_inf, nargs="+", default=[2.0, 4.0, 16.0, math.inf])
+    plast.add_argument("--alpha", type=float, default=0.1, help="init scale (2x2 study)")
+    plast.add_argument("--alphas", type=float, nargs="+", default=[0.1], help="(dxd study)")
+    plast.add_argument("--dim", type=int, default=10, help="d (dxd study)")
+    plast.add_argument("--rank", type=int, default=1, help="rank of the truth (dxd study)")
+    plast.add_argument("--init", choices=["identity", "gaussian"], default="identity")
+    plast.add_argument("--value", type=float, default=1.0, help="X* = wJ (2x2 study)")
+    plast.add_argument("--seed", type=int, default=0)
+    plast.add_argument("--json", action="store_true")
+    plast.set_defaults(func=cmd_plasticity)
+    sweep = sub.add_parser("sweep", help="a grid of flows into a resumable zarr store")
+    sweep.add_argument("config", nargs="?", help="sweep config (TOML); see --example")
+    sweep.add_argument("--out", help="zarr store path (default: CONFIG name + .zarr)")
+    sweep.add_argument("--resume", action="store_true", help="continue an interrupted store")
+    sweep.add_argument("--csv", help="also write a flat table (.csv or .parquet)")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    sweep.add_argument("--example", action="store_true", help="print the example config")
+    sweep.set_defaults(func=cmd_sweep)
     return parser
 
 

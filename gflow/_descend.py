@@ -10,7 +10,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,6 +180,7 @@ def descend_solve(problem: Problem, model: Factorization, options: DescentOption
         num_accepted_steps=k,
         num_rejected_steps=jnp.zeros_like(k),
         num_rhs_evals=k + 1,
+        num_linear_iters=jnp.zeros((), jnp.int32),
         energy=final["energy"],
         trajectory=trajectory,
     )
@@ -224,8 +224,7 @@ def descend(
     start = time.perf_counter()
     result = compiled(problem, model)
     jax.block_until_ready(result)
-    wall = time.perf_counter() - start
-    return eqx.tree_at(lambda r: (r.wall_time_s, r.compile_time_s), result, (wall, compile_time))
+    return result.timed(time.perf_counter() - start, compile_time)
 
 
 def endpoint_distance(result: FlowResult, reference: FlowResult, problem: Problem, top=None):

@@ -30,14 +30,15 @@ import time
 from dataclasses import dataclass
 
 import diffrax
-import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optimistix as optx
 
 from ._model import Factorization, loss_and_gradient, tree_dot
 from ._problem import Problem
 from ._result import FlowResult, Status, Trajectory
+from ._rosenbrock import Rodas4
 
 SOLVERS = {
     "tsit5": diffrax.Tsit5,
@@ -45,6 +46,7 @@ SOLVERS = {
     "dopri8": diffrax.Dopri8,
     "kvaerno5": diffrax.Kvaerno5,
     "euler": diffrax.Euler,
+    "rodas4": Rodas4,
 }
 FIXED_STEP = ("euler",)
 CLOCKS = ("auto", "physical", "loss")
@@ -54,7 +56,11 @@ CLOCKS = ("auto", "physical", "loss")
 class FlowOptions:
     """How to integrate a flow. Validated at construction.
 
-    - `solver`: one of `tsit5` (default), `dopri5`, `dopri8` (explicit), `kvaerno5` (stiff).
+    - `solver`: `auto` (default): Tsit5, and if it has not converged after `explicit_steps`
+      steps (a stiff tail: step size pinned at the stability bound of the fastest mode), the
+      L-stable Rosenbrock method `rodas4` (dense or matrix-free linear algebra) to the end.
+      Or one fixed solver: `tsit5`, `dopri5`, `dopri8` (explicit), `kvaerno5`, `rodas4` (stiff),
+      `euler` (fixed step `dt`).
     - `rtol`, `atol`: tolerances of the PID step controller and of the stopping rule. `atol=None`
       uses `1e-2·rtol·RMS(θ(0))`, i.e. relative to the scale of the initialisation.
     - `t_max`: physical-time horizon (`inf` by default: stop on convergence).
@@ -73,11 +79,12 @@ class FlowOptions:
       trajectory holds exactly these times (inf past the end of the solve).
     """
 
-    solver: str = "tsit5"
+    solver: str = "auto"
     rtol: float = 1e-10
     atol: float | None = None
     t_max: float = math.inf
     max_steps: int = 100_000
+    explicit_steps: int = 5_000
     clock: str = "auto"
     loss_clock_until: float = 1e-2
     save: int = 0
@@ -104,7 +111,7 @@ class FlowOptions:
             object.__setattr__(self, "clock", "physical")
         elif self.dt is not None:
             raise ValueError("dt is only for fixed-step solvers (solver='euler')")
-        if self.solver not in SOLVERS:
+        if self.solver not in SOLVERS and self.solver != "auto":
             raise ValueError(f"unknown solver {self.solver!r}; choose from {sorted(SOLVERS)}")
         if self.clock not in CLOCKS:
             raise ValueError(f"unknown clock {self.clock!r}; choose from {CLOCKS}")
@@ -116,6 +123,10 @@ class FlowOptions:
             raise ValueError(f"t_max must be > 0, got {self.t_max}")
         if not (isinstance(self.max_steps, int) and self.max_steps >= 1):
             raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
+        if not (isinstance(self.explicit_steps, int) and self.explicit_steps >= 1):
+            raise ValueError(
+                f"explicit_steps must be a positive integer, got {self.explicit_steps}"
+            )
         if not (0 < self.loss_clock_until < 1):
             raise ValueError(f"loss_clock_until must lie in (0, 1), got {self.loss_clock_until}")
         if not (isinstance(self.save, int) and self.save >= 0):
@@ -248,7 +259,7 @@ def _summary(save_layers, num_sv):
 def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowResult:
     """The flow engine: pure, jittable, vmappable. Use `flow` for validation and timing."""
     dtype = model.layers[0].dtype
-    solver = SOLVERS[options.solver]()
+    solver = diffrax.Tsit5() if options.solver == "auto" else SOLVERS[options.solver]()
     rtol = options.rtol
     theta0 = _flatten(model)
     atol = options.atol
@@ -284,7 +295,6 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
     # Each clock phase gets the full sample budget; samples of a phase that did not run are
     # marked invalid (t = inf) and dropped by `Trajectory.compress`.
     n1 = n_save if options.clock != "physical" else 0
-    n2 = n_save
     summary = _summary(options.save_layers, num_sv)
 
     # Phase 1: the loss clock, carrying t.
@@ -317,47 +327,70 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
     phase1_done = use_loss_clock & (status1 >= 0)
     finished = phase1_done & (status1 != _CONTINUE)
 
-    # Phase 2: physical time, from where phase 1 left off.
+    # Phase 2: physical time, from where phase 1 left off (explicit first under "auto").
     y2 = {"model": y_mid["model"]}
     if options.certificates:
         y2["energy"] = y_mid["energy"]
     t1_local = jnp.where(finished, 0.0, t_max - t_switch)
-    grid2 = None
-    if options.save_ts is not None:
-        grid2 = jnp.minimum(jnp.asarray(options.save_ts, dtype), t1_local)
-    elif n2:
-        _, g_mid = loss_and_gradient(y2["model"], problem)
-        loss_mid = problem.loss(y2["model"].product())
-        h_mid = _loss_time_scale(loss_mid, tree_dot(g_mid, g_mid))
-        h_mid = jnp.where(h_mid > 0, h_mid, 1.0)
-        hi = jnp.where(jnp.isfinite(t1_local), t1_local, h_mid * 1e8)
-        lo = jnp.minimum(h_mid * 1e-3, hi)
-        grid = jnp.concatenate([jnp.zeros(1, dtype), jnp.geomspace(1.0, hi / lo, n2 - 1) * lo])
-        grid2 = jnp.minimum(grid, t1_local)
-    sol2 = diffrax.diffeqsolve(
-        diffrax.ODETerm(_physical_field),
+    stiff_phase = options.solver == "auto"
+    sol2, y_end, status2, samples2 = _physical_phase(
         solver,
-        t0=0.0,
-        t1=t1_local,
-        dt0=dt0,
-        y0=y2,
-        args=(problem, t_switch, False),
-        stepsize_controller=controller,
-        max_steps=options.max_steps,
-        event=diffrax.Event({"converged": converged, "diverged": diverged}),
-        saveat=_saveat(grid2, summary),
-        throw=False,
+        y2,
+        problem,
+        options,
+        controller,
+        dt0,
+        t_switch,
+        t1_local,
+        summary,
+        events={"converged": converged, "diverged": diverged},
+        max_steps=options.explicit_steps if stiff_phase else options.max_steps,
     )
-    y_end = _final_state(sol2)
-    status2 = _status(sol2, y_end["model"], problem, options, phase_end_is_t_max=True)
     status = jnp.where(finished, status1, status2)
     t_end = jnp.where(finished, t_switch, t_switch + _final_time(sol2))
+    sols = [sol1, sol2]
+    samples = [samples2]
 
+    # Phase 3 ("auto" only): the explicit solver spent its budget, so the tail is stiff:
+    # continue with the Rosenbrock method from where it stopped.
+    if stiff_phase:
+        handover = (~finished) & (status2 == Status.MAX_STEPS)
+        t1_stiff = jnp.where(handover, t_max - t_end, 0.0)
+        sol3, y3_end, status3, samples3 = _physical_phase(
+            Rodas4(),
+            y_end,
+            problem,
+            options,
+            controller,
+            None,
+            t_end,
+            t1_stiff,
+            summary,
+            events={"converged": converged, "diverged": diverged},
+            max_steps=options.max_steps,
+        )
+        if samples3:
+            samples3["t"] = jnp.where(handover, samples3["t"], jnp.inf)
+        y_end = jax.tree_util.tree_map(lambda a, b: jnp.where(handover, b, a), y_end, y3_end)
+        status = jnp.where(handover, status3, status)
+        t_end = jnp.where(handover, t_end + _final_time(sol3), t_end)
+        sols.append(sol3)
+        samples.append(samples3)
+        linear_iters = jnp.where(handover, sol3.solver_state, 0)
+    elif isinstance(solver, Rodas4):
+        linear_iters = sol2.solver_state
+    else:
+        linear_iters = jnp.asarray(0, jnp.int32)
+
+    # RHS evaluations: known per step for explicit tableaus (+1 per step for the stopping
+    # rule, +2 per phase for the initial step size); -1 when an implicit phase ran.
+    steps = sum(s.stats["num_steps"] for s in sols)
     per_step = _rhs_evals_per_step(solver)
-    steps = sol1.stats["num_steps"] + sol2.stats["num_steps"]
-    if per_step > 0:
-        # +2 per phase for the initial step-size selection, +1 per step for the stopping rule.
+    if per_step > 0 and not stiff_phase:
         rhs = steps * (per_step + 1) + 4
+    elif per_step > 0:
+        explicit = sol1.stats["num_steps"] + sol2.stats["num_steps"]
+        rhs = jnp.where(sol3.stats["num_steps"] > 0, -1, explicit * (per_step + 1) + 4)
     else:
         rhs = -jnp.ones_like(steps)
 
@@ -368,12 +401,9 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
             s1 = dict(sol1.ys[1])
             s1["t"] = jnp.where(use_loss_clock, s1["t"], jnp.inf)
             parts.append(s1)
-        s2 = dict(sol2.ys[1])
-        if options.save_ts is not None:
-            # a horizon before the last requested time clips the grid; mark those samples
-            s2["t"] = jnp.where(jnp.asarray(options.save_ts) <= t_max, s2["t"], jnp.inf)
-        s2["t"] = jnp.where(finished, jnp.inf, s2["t"])
-        parts.append(s2)
+        for s in samples:
+            s["t"] = jnp.where(finished, jnp.inf, s["t"])
+            parts.append(s)
         cat = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
         trajectory = Trajectory(cat["t"], cat["loss"], cat["sv"], cat.get("layers"))
 
@@ -386,12 +416,71 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         loss=loss_end,
         loss_init=loss0,
         num_steps=steps,
-        num_accepted_steps=sol1.stats["num_accepted_steps"] + sol2.stats["num_accepted_steps"],
-        num_rejected_steps=sol1.stats["num_rejected_steps"] + sol2.stats["num_rejected_steps"],
+        num_accepted_steps=sum(s.stats["num_accepted_steps"] for s in sols),
+        num_rejected_steps=sum(s.stats["num_rejected_steps"] for s in sols),
         num_rhs_evals=rhs,
+        num_linear_iters=linear_iters,
         energy=energy,
         trajectory=trajectory,
     )
+
+
+def _physical_phase(
+    solver,
+    y0,
+    problem,
+    options,
+    controller,
+    dt0,
+    t_offset,
+    t1_local,
+    summary,
+    events,
+    max_steps,
+):
+    """Integrate in physical time from local time 0 (absolute time `t_offset`) to `t1_local`.
+
+    Returns the solution, the final state, its status and the trajectory samples (a dict, empty
+    when nothing is saved)."""
+    dtype = t_offset.dtype if hasattr(t_offset, "dtype") else jnp.float64
+    grid = None
+    if options.save_ts is not None:
+        grid = jnp.clip(jnp.asarray(options.save_ts, dtype) - t_offset, 0.0, t1_local)
+    elif options.save:
+        model = y0["model"]
+        loss, g = loss_and_gradient(model, problem)
+        h = _loss_time_scale(loss, tree_dot(g, g))
+        h = jnp.where(h > 0, h, 1.0)
+        hi = jnp.where(jnp.isfinite(t1_local), t1_local, h * 1e8)
+        lo = jnp.minimum(h * 1e-3, hi)
+        n = options.save
+        grid = jnp.concatenate([jnp.zeros(1, dtype), jnp.geomspace(1.0, hi / lo, n - 1) * lo])
+        grid = jnp.minimum(grid, t1_local)
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(_physical_field),
+        solver,
+        t0=0.0,
+        t1=t1_local,
+        dt0=dt0,
+        y0=y0,
+        args=(problem, t_offset, False),
+        stepsize_controller=controller,
+        max_steps=max_steps,
+        event=diffrax.Event(events),
+        saveat=_saveat(grid, summary),
+        throw=False,
+    )
+    y_end = _final_state(sol)
+    status = _status(sol, y_end["model"], problem, options, phase_end_is_t_max=True)
+    samples = {}
+    if grid is not None:
+        samples = dict(sol.ys[1])
+        if options.save_ts is not None:
+            # requested times outside this phase are clipped into it: mark them invalid
+            ts = jnp.asarray(options.save_ts, dtype)
+            inside = (ts >= t_offset) & (ts <= t_offset + _final_time(sol))
+            samples["t"] = jnp.where(inside, samples["t"], jnp.inf)
+    return sol, y_end, status, samples
 
 
 _CONTINUE = -1
@@ -409,10 +498,14 @@ def _phase1_event(converged, diverged, reached_t_max, finite_horizon):
 
 
 def _saveat(grid, summary):
-    """Always the final state; with a grid, also summaries at the grid points."""
+    """Always the final state (and the solver state, which counts linear-solve iterations for
+    `Rodas4`); with a grid, also summaries at the grid points."""
     if grid is None:
-        return diffrax.SaveAt(t1=True)
-    return diffrax.SaveAt(subs=[diffrax.SubSaveAt(t1=True), diffrax.SubSaveAt(ts=grid, fn=summary)])
+        return diffrax.SaveAt(t1=True, solver_state=True)
+    return diffrax.SaveAt(
+        subs=[diffrax.SubSaveAt(t1=True), diffrax.SubSaveAt(ts=grid, fn=summary)],
+        solver_state=True,
+    )
 
 
 def _final_time(sol):
@@ -464,10 +557,18 @@ def _status(sol, model, problem, options, phase_end_is_t_max):
 _COMPILED: dict = {}
 
 
-def _compiled_solver(problem, model, options, in_axes=None):
+COMPILE_COUNT = {"flow": 0}
+
+
+def _compiled_solver(problem, model, options, in_axes=None, devices=None):
+    """One compiled program per (options, batching, shapes, devices), cached: a sweep compiles
+    once per shape group, and a later call with other shapes cannot silently recompile (the
+    cached executable only accepts its own shapes)."""
+    devices = tuple(devices) if devices is not None and len(devices) > 1 else None
     key = (
         options,
         in_axes,
+        devices,
         jax.tree_util.tree_structure((problem, model)),
         tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves((problem, model))),
     )
@@ -477,9 +578,24 @@ def _compiled_solver(problem, model, options, in_axes=None):
     fn = lambda p, m: solve(p, m, options)
     if in_axes is not None:
         fn = jax.vmap(fn, in_axes=in_axes)
+        if devices is not None:
+            # Each device loops over its own slice of the batch: no per-step synchronisation
+            # with the slowest member elsewhere (a sharded `jit` would synchronise every step).
+            mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
+            spec = jax.sharding.PartitionSpec
+            fn = jax.shard_map(
+                fn,
+                mesh=mesh,
+                in_specs=tuple(spec("batch") if ax == 0 else spec() for ax in in_axes),
+                out_specs=spec("batch"),
+                # diffrax's while loops mix per-device and replicated values; each device's
+                # program is a plain vmapped solve, so there is nothing to check across devices.
+                check_vma=False,
+            )
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(problem, model).compile()
     elapsed = time.perf_counter() - start
+    COMPILE_COUNT["flow"] += 1
     _COMPILED[key] = compiled
     return compiled, elapsed
 
@@ -527,8 +643,7 @@ def flow(
     start = time.perf_counter()
     result = compiled(problem, model)
     jax.block_until_ready(result)
-    wall = time.perf_counter() - start
-    return eqx.tree_at(lambda r: (r.wall_time_s, r.compile_time_s), result, (wall, compile_time))
+    return result.timed(time.perf_counter() - start, compile_time)
 
 
 def stack(items):
@@ -567,5 +682,4 @@ def flow_batch(
     start = time.perf_counter()
     result = compiled(problem, model)
     jax.block_until_ready(result)
-    wall = time.perf_counter() - start
-    return eqx.tree_at(lambda r: (r.wall_time_s, r.compile_time_s), result, (wall, compile_time))
+    return result.timed(time.perf_counter() - start, compile_time)

@@ -188,7 +188,8 @@ def dxd_study(
     m: float = 4.0,
     method: FlowOptions | DescentOptions | None = None,
 ) -> list[dict]:
-    """Warm vs cold across depths and α on a d×d problem: rank-`rank` truth, Ω₁ = diagonal
+    """Warm vs cold across depths and α on a d×d problem: truth J (rank 1, as in the paper) or a
+    random rank-`rank` matrix, Ω₁ = diagonal
     (disconnected), Ω₂ = diagonal + `extra` random entries making the bipartite graph connected.
 
     `init` is `identity` (αF_m, coupled pretraining for L ≥ 3 when m < ∞) or `gaussian`.
@@ -202,10 +203,10 @@ def dxd_study(
 
     key = jax.random.key(seed)
     k_truth, k_mask, k_init = jax.random.split(key, 3)
-    truth = bernoulli(d, d, 1.0, rank, k_truth)
-    if rank == 1:  # a positive rank-1 truth keeps the diagonal targets of one sign
-        u = np.abs(np.asarray(truth.target[:, :1]))
-        truth = Problem(u @ u.T / np.mean(u * u), np.ones((d, d)))
+    if rank == 1:  # the paper's truth, X* = J
+        truth = Problem(np.ones((d, d)), np.ones((d, d)))
+    else:
+        truth = bernoulli(d, d, 1.0, rank, k_truth)
     mask2 = connected_superset_mask(d, extra if extra is not None else 2 * d, k_mask)
     problem = truth.with_mask(mask2)
     rows = []

@@ -71,6 +71,8 @@ class FlowResult(eqx.Module):
     - `loss`, `loss_init`: the loss at the end and at the start.
     - `num_steps`, `num_accepted_steps`, `num_rejected_steps`, `num_rhs_evals`: solver work;
       RHS evaluations count every gradient evaluation, the stopping rule's included.
+    - `num_linear_iters`: conjugate-gradient iterations of the stiff (Rosenbrock) phase, 0 when
+      it ran with dense linear algebra or did not run.
     - `energy`: ∫‖∇loss‖² dt when certificates were requested (else nan). For the exact flow
       `loss_init − loss = energy`.
     - `trajectory`: samples along the way, when requested.
@@ -86,10 +88,17 @@ class FlowResult(eqx.Module):
     num_accepted_steps: Int[Array, ""]
     num_rejected_steps: Int[Array, ""]
     num_rhs_evals: Int[Array, ""]
+    num_linear_iters: Int[Array, ""]
     energy: Float[Array, ""]
     trajectory: Trajectory | None = None
-    wall_time_s: float = float("nan")
-    compile_time_s: float = float("nan")
+    wall_time_s: float = eqx.field(static=True, default=float("nan"))
+    compile_time_s: float = eqx.field(static=True, default=float("nan"))
+
+    def timed(self, wall_time_s: float, compile_time_s: float) -> FlowResult:
+        """A copy carrying host-side timings."""
+        import dataclasses
+
+        return dataclasses.replace(self, wall_time_s=wall_time_s, compile_time_s=compile_time_s)
 
     def member(self, i: int) -> FlowResult:
         """Member `i` of a batched result (from `flow_batch`)."""

@@ -1,0 +1,222 @@
+"""Rodas4: a stiffly accurate, L-stable Rosenbrock method of order 4 (embedded order 3), as a
+diffrax solver, for the stiff tail of a gradient flow.
+
+A Rosenbrock method replaces the Newton iterations of an implicit Runge–Kutta method by one
+linear system per stage, all with the same matrix (I/(hγ) − J), so a step never fails for lack
+of nonlinear convergence. For a gradient flow J = −∇²loss is symmetric, and the systems are
+solved either densely (LU of the P×P matrix, P = number of parameters) or matrix-free with
+conjugate gradients on Hessian-vector products (`jax.linearize` of the vector field), which needs
+no P×P matrix at all.
+
+Coefficients: E. Hairer and G. Wanner, *Solving Ordinary Differential Equations II*, 2nd ed.,
+Springer 1996, §VI.4 (RODAS4), in the form
+    (I/(hγ) − J) K_i = f(y + Σ_j a_ij K_j) + Σ_j (c_ij/h) K_j,
+    y₁ = y + Σ m_i K_i,  error = K_6.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import diffrax
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+_GAMMA = 0.25
+_A = {
+    (2, 1): 1.544,
+    (3, 1): 0.9466785280815826,
+    (3, 2): 0.2557011698983284,
+    (4, 1): 3.314825187068521,
+    (4, 2): 2.896124015972201,
+    (4, 3): 0.9986419139977817,
+    (5, 1): 1.221224509226641,
+    (5, 2): 6.019134481288629,
+    (5, 3): 12.53708332932087,
+    (5, 4): -0.687886036105895,
+}
+for _j in range(1, 5):
+    _A[(6, _j)] = _A[(5, _j)]
+_A[(6, 5)] = 1.0
+_C = {
+    (2, 1): -5.6688,
+    (3, 1): -2.430093356833875,
+    (3, 2): -0.2063599157091915,
+    (4, 1): -0.1073529058151375,
+    (4, 2): -9.594562251023355,
+    (4, 3): -20.47028614809616,
+    (5, 1): 7.496443313967647,
+    (5, 2): -10.24680431464352,
+    (5, 3): -33.99990352819905,
+    (5, 4): 11.7089089320616,
+    (6, 1): 8.083246795921522,
+    (6, 2): -7.981132988064893,
+    (6, 3): -31.52159432874371,
+    (6, 4): 16.31930543123136,
+    (6, 5): -6.058818238834054,
+}
+_M = [_A[(5, 1)], _A[(5, 2)], _A[(5, 3)], _A[(5, 4)], 1.0, 1.0]
+_STAGES = 6
+
+
+def conjugate_gradient(matvec, b, *, rtol, max_iters, precondition=lambda r: r):
+    """Solve A x = b for symmetric positive definite A, matrix-free, with an optional SPD
+    preconditioner (a function r ↦ M⁻¹r). Returns (x, converged, iterations)."""
+    b_norm = jnp.linalg.norm(b)
+    target = rtol * b_norm
+
+    def cond(state):
+        _, r, _, _, k = state
+        return (jnp.linalg.norm(r) > target) & (k < max_iters)
+
+    def body(state):
+        x, r, p, rz, k = state
+        ap = matvec(p)
+        curvature = p @ ap
+        step = rz / jnp.where(curvature > 0, curvature, 1.0)
+        x = x + step * p
+        r = r - step * ap
+        z = precondition(r)
+        rz_new = r @ z
+        p = z + (rz_new / rz) * p
+        # A direction of non-positive curvature: stop, and let the caller reject the step.
+        k = jnp.where(curvature > 0, k + 1, max_iters + 1)
+        return x, r, p, rz_new, k
+
+    z0 = precondition(b)
+    state = (jnp.zeros_like(b), b, z0, b @ z0, jnp.asarray(0))
+    x, r, _, _, k = jax.lax.while_loop(cond, body, state)
+    converged = (jnp.linalg.norm(r) <= target) | (b_norm == 0)
+    return x, converged, k
+
+
+def nystrom_preconditioner(hvp, size, rank, shift, key, dtype):
+    """Randomized Nyström preconditioner for (H + shift·I), H symmetric PSD given by `hvp`
+    (Frangella, Tropp & Udell, SIAM J. Matrix Anal. Appl. 2023). The top `rank` eigenpairs of
+    H — the stiff directions of a converged flow — are inverted exactly, the rest scaled.
+
+    Falls back to the identity when the sketch is not positive definite (H indefinite)."""
+    omega = jax.random.normal(key, (size, rank), dtype)
+    q, _ = jnp.linalg.qr(omega)
+    y = jax.vmap(hvp, in_axes=1, out_axes=1)(q)
+    nu = jnp.finfo(dtype).eps * jnp.linalg.norm(y)
+    y_nu = y + nu * q
+    core = q.T @ y_nu
+    chol = jnp.linalg.cholesky(0.5 * (core + core.T))
+    b = jax.scipy.linalg.solve_triangular(chol, y_nu.T, lower=True).T
+    u, sigma, _ = jnp.linalg.svd(b, full_matrices=False)
+    lam = jnp.maximum(sigma**2 - nu, 0.0)
+    ok = jnp.all(jnp.isfinite(u)) & jnp.all(jnp.isfinite(lam))
+    u = jnp.where(ok, u, 0.0)
+    lam = jnp.where(ok, lam, 0.0)
+    scale = lam[-1] + shift
+
+    def apply(r):
+        ur = u.T @ r
+        return r - u @ ur + u @ (scale * ur / (lam + shift))
+
+    return apply
+
+
+class Rodas4(diffrax.AbstractAdaptiveSolver):
+    """Rosenbrock RODAS4 for autonomous systems y' = f(y), with dense or matrix-free (CG)
+    linear algebra.
+
+    - `linear_solver`: `"dense"` (LU of the P×P matrix, best for P ≲ 2000), `"cg"`
+      (conjugate gradients on Jacobian-vector products; needs a symmetric Jacobian, as for a
+      gradient flow), or `"auto"` (dense up to `dense_max` unknowns).
+    - `cg_rtol`, `cg_max_iters`: CG stopping rule. A CG solve that does not converge (or meets
+      negative curvature) makes the step fail, and the controller retries a smaller one.
+    """
+
+    term_structure: ClassVar = diffrax.AbstractTerm
+    interpolation_cls: ClassVar[Callable[..., diffrax.LocalLinearInterpolation]] = (
+        diffrax.LocalLinearInterpolation
+    )
+    linear_solver: str = "auto"
+    dense_max: int = 2000
+    cg_rtol: float = 1e-10
+    cg_max_iters: int = 2000
+    preconditioner_rank: int = 0
+
+    def order(self, terms):
+        return 4
+
+    def error_order(self, terms):
+        return 4
+
+    def init(self, terms, t0, t1, y0, args):
+        return jnp.asarray(0, jnp.int32)  # linear-solve iterations so far (CG; 0 when dense)
+
+    def func(self, terms, t0, y0, args):
+        return terms.vf(t0, y0, args)
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        del made_jump
+        flat0, unravel = ravel_pytree(y0)
+        size = flat0.shape[0]
+
+        def f(flat):
+            return ravel_pytree(terms.vf(t0, unravel(flat), args))[0]
+
+        h = t1 - t0
+        shift = 1.0 / (h * _GAMMA)
+        f0, jvp = jax.linearize(f, flat0)
+        dense = self.linear_solver == "dense" or (
+            self.linear_solver == "auto" and size <= self.dense_max
+        )
+        if dense:
+            jac = jax.vmap(jvp, out_axes=1)(jnp.eye(size, dtype=flat0.dtype))
+            lu = jax.scipy.linalg.lu_factor(shift * jnp.eye(size, dtype=flat0.dtype) - jac)
+
+            def solve(rhs):
+                x = jax.scipy.linalg.lu_solve(lu, rhs)
+                return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0)
+        else:
+            # (I/(hγ) − J) K = rhs with −J = ∇²loss: CG with a Nyström preconditioner.
+            hvp = lambda v: -jvp(v)
+            matvec = lambda v: shift * v + hvp(v)
+            precondition = lambda r: r
+            if self.preconditioner_rank > 0:
+                precondition = nystrom_preconditioner(
+                    hvp,
+                    size,
+                    min(self.preconditioner_rank, size),
+                    shift,
+                    jax.random.key(0),
+                    flat0.dtype,
+                )
+
+            def solve(rhs):
+                return conjugate_gradient(
+                    matvec,
+                    rhs,
+                    rtol=self.cg_rtol,
+                    max_iters=self.cg_max_iters,
+                    precondition=precondition,
+                )
+
+        ks = []
+        ok = jnp.asarray(True)
+        iters = jnp.asarray(0)
+        for i in range(1, _STAGES + 1):
+            if i == 1:
+                fi = f0
+            else:
+                yi = flat0 + sum(_A[(i, j)] * ks[j - 1] for j in range(1, i))
+                fi = f(yi)
+            rhs = fi + sum((_C[(i, j)] / h) * ks[j - 1] for j in range(1, i)) if i > 1 else fi
+            k, good, n = solve(rhs)
+            ks.append(k)
+            ok = ok & good
+            iters = iters + n
+        flat1 = flat0 + sum(m * k for m, k in zip(_M, ks, strict=True))
+        err = ks[-1]
+        err = jnp.where(ok, err, jnp.inf)
+        y1 = unravel(flat1)
+        y_error = unravel(err)
+        dense_info = dict(y0=y0, y1=y1)
+        result = diffrax.RESULTS.successful
+        return y1, y_error, dense_info, solver_state + iters.astype(jnp.int32), result

@@ -1,0 +1,423 @@
+"""Sweeps: a grid of flows (α × depth × m × seed × problem parameters) run as a few compiled,
+vmapped programs, streamed chunk by chunk into a zarr store that a crash cannot corrupt.
+
+Layout of the store. The grid is flattened into one `point` dimension in *execution order*:
+points are grouped by shape (depth and matrix size need their own compiled program), and within
+a group sorted by expected flow length (escape time grows like α^{−(L−2)}), because a vmapped
+batch costs about (slowest member's steps) × (batch size). Each chunk of `chunk_size` points is
+one batch and one zarr chunk. A chunk's results are written first and its `done` flag after, so
+a chunk killed half-way stays not-done and is recomputed on resume; a finished chunk is never
+recomputed. `to_grid` turns the flat store into a dataset with one dimension per axis.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import jax
+import numpy as np
+
+from ._flow import FlowOptions, _compiled_solver, stack
+from ._init import gaussian, identity_family, orthogonal
+from ._measures import effective_rank_of, family_spectrum, stable_rank_of
+from ._problem import bernoulli, block_diagonal
+
+DYNAMIC_AXES = ("alpha", "m", "seed", "value", "noise", "density")
+STATIC_AXES = ("depth", "dim", "blocks", "block_size", "rank")
+DEFAULTS = {
+    "alpha": 0.01,
+    "m": 4.0,
+    "seed": 0,
+    "value": 1.0,
+    "noise": 0.0,
+    "density": 0.5,
+    "depth": 3,
+    "dim": 4,
+    "blocks": 2,
+    "block_size": 2,
+    "rank": 1,
+}
+PROBLEMS = ("diagonal", "block-diagonal", "bernoulli")
+INITS = ("identity", "gaussian", "orthogonal")
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A grid of flows.
+
+    - `axes`: axis name → values; names from `alpha`, `m`, `seed`, `value`, `noise`, `density`
+      (batched in one program) and `depth`, `dim`, `blocks`, `block_size`, `rank` (one program
+      per combination). The grid is their cartesian product.
+    - `fixed`: values for parameters that are not axes (defaults: `DEFAULTS`).
+    - `problem`: `diagonal` (d = dim), `block-diagonal` (n = blocks, s = block_size) or
+      `bernoulli` (dim × dim, density, rank); `init`: `identity`, `gaussian` or `orthogonal`.
+    - `options`: `FlowOptions` for every flow; `chunk_size`: flows per batch;
+      `top`: singular values stored per flow.
+    """
+
+    axes: dict
+    fixed: dict = field(default_factory=dict)
+    problem: str = "diagonal"
+    init: str = "identity"
+    options: FlowOptions = field(default_factory=FlowOptions)
+    chunk_size: int = 64
+    top: int = 4
+
+    def __post_init__(self):
+        if not self.axes:
+            raise ValueError("a sweep needs at least one axis")
+        axes = {}
+        for name, values in self.axes.items():
+            if name not in DEFAULTS:
+                raise ValueError(f"unknown axis {name!r}; choose from {sorted(DEFAULTS)}")
+            values = tuple(_scalar(v) for v in np.atleast_1d(np.asarray(values, dtype=object)))
+            if not values:
+                raise ValueError(f"axis {name!r} has no values")
+            axes[name] = values
+        object.__setattr__(self, "axes", axes)
+        for name in self.fixed:
+            if name not in DEFAULTS:
+                raise ValueError(f"unknown parameter {name!r} in fixed")
+        if self.problem not in PROBLEMS:
+            raise ValueError(f"unknown problem {self.problem!r}; choose from {PROBLEMS}")
+        if self.init not in INITS:
+            raise ValueError(f"unknown init {self.init!r}; choose from {INITS}")
+        if not (isinstance(self.chunk_size, int) and self.chunk_size >= 1):
+            raise ValueError("chunk_size must be a positive integer")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(len(v) for v in self.axes.values())
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def points(self) -> list[dict]:
+        """Every grid point as a full parameter dict, in canonical (row-major) order."""
+        base = DEFAULTS | dict(self.fixed)
+        names = list(self.axes)
+        return [
+            base | dict(zip(names, combo, strict=True))
+            for combo in itertools.product(*self.axes.values())
+        ]
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["options"] = asdict(self.options)
+        return json.dumps(d, default=_json_default)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SweepSpec:
+        d = dict(d)
+        options = d.pop("options", {}) or {}
+        if isinstance(options, dict):
+            options = FlowOptions(**{k: _scalar(v) for k, v in options.items()})
+        axes = {k: [_scalar(x) for x in v] for k, v in d.pop("axes").items()}
+        sweep = d.pop("sweep", {}) or {}
+        return cls(axes=axes, options=options, **d, **sweep)
+
+
+def _scalar(v):
+    if isinstance(v, str) and v.strip().lower() in ("inf", "+inf", "infinity"):
+        return math.inf
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def _json_default(o):
+    if isinstance(o, tuple):
+        return list(o)
+    return str(o)
+
+
+def build(point: dict, problem_kind: str, init_kind: str):
+    """The (problem, model) of one grid point."""
+    key = jax.random.key(int(point["seed"]))
+    k_problem, k_init = jax.random.split(key)
+    if problem_kind == "diagonal":
+        problem = block_diagonal(
+            int(point["dim"]), 1, point["value"], noise=point["noise"], key=k_problem
+        )
+    elif problem_kind == "block-diagonal":
+        problem = block_diagonal(
+            int(point["blocks"]),
+            int(point["block_size"]),
+            point["value"],
+            noise=point["noise"],
+            key=k_problem,
+        )
+    else:
+        d = int(point["dim"])
+        problem = bernoulli(
+            d, d, point["density"], int(point["rank"]), k_problem, noise=point["noise"]
+        )
+    d_out, d_in = problem.shape
+    depth = int(point["depth"])
+    if init_kind == "identity":
+        model = identity_family(d_in, depth, point["alpha"], point["m"])
+    elif init_kind == "gaussian":
+        model = gaussian([d_in] + [d_out] * depth, point["alpha"], k_init)
+    else:
+        model = orthogonal([d_in] + [d_out] * depth, point["alpha"], k_init)
+    return problem, model
+
+
+def _expected_length(point: dict) -> float:
+    depth, alpha = int(point["depth"]), float(point["alpha"])
+    if depth >= 3:
+        return alpha ** (-(depth - 2))
+    return math.log(1.0 / alpha) if alpha < 1 else 0.0
+
+
+def execution_order(spec: SweepSpec) -> list[tuple[tuple, list[int]]]:
+    """Groups of canonical point indices: one group per static shape key, each sorted by
+    expected flow length and cut into chunks of `chunk_size`."""
+    points = spec.points()
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(points):
+        key = (p["depth"], p["dim"], p["blocks"], p["block_size"], p["rank"])
+        groups.setdefault(key, []).append(i)
+    order = []
+    for key in sorted(groups):
+        idx = sorted(groups[key], key=lambda i: _expected_length(points[i]))
+        for start in range(0, len(idx), spec.chunk_size):
+            order.append((key, idx[start : start + spec.chunk_size]))
+    return order
+
+
+# --------------------------------------------------------------------------------------------
+# Running chunks
+
+
+def run_chunk(spec: SweepSpec, indices: list[int], devices=None) -> dict[str, np.ndarray]:
+    """Integrate the flows of one chunk as one vmapped batch (padded to `chunk_size` so every
+    chunk of a group shares one compiled program); returns per-point result arrays."""
+    points = spec.points()
+    chosen = [points[i] for i in indices]
+    n_dev = len(devices) if devices else 1
+    size = -(-spec.chunk_size // n_dev) * n_dev  # every device gets an equal slice
+    padded = chosen + [chosen[-1]] * (size - len(chosen))
+    built = [build(p, spec.problem, spec.init) for p in padded]
+    problems = stack([b[0] for b in built])
+    models = stack([b[1] for b in built])
+    compiled, _ = _compiled_solver(problems, models, spec.options, in_axes=(0, 0), devices=devices)
+    result = compiled(problems, models)
+    jax.block_until_ready(result)
+    n = len(chosen)
+    out = {
+        "status": np.asarray(result.status)[:n].astype(np.int8),
+        "t_end": np.asarray(result.t_end)[:n],
+        "loss": np.asarray(result.loss)[:n],
+        "loss_init": np.asarray(result.loss_init)[:n],
+        "num_steps": np.asarray(result.num_steps)[:n].astype(np.int64),
+        "num_rejected_steps": np.asarray(result.num_rejected_steps)[:n].astype(np.int64),
+    }
+    x = np.asarray(result.model.product())[:n]
+    sigma = np.linalg.svd(x, compute_uv=False)
+    top = min(spec.top, sigma.shape[1])
+    out["sigma"] = np.full((n, spec.top), np.nan)
+    out["sigma"][:, :top] = sigma[:, :top]
+    out["stable_rank"] = np.array([stable_rank_of(s) for s in sigma])
+    out["effective_rank"] = np.array([effective_rank_of(s) for s in sigma])
+    if spec.init == "identity" and spec.problem != "bernoulli":
+        from ._result import FlowResult
+
+        assert isinstance(result, FlowResult)
+        n_blocks = [p["dim"] if spec.problem == "diagonal" else p["blocks"] for p in chosen]
+        s_blocks = [1 if spec.problem == "diagonal" else p["block_size"] for p in chosen]
+        spectra = [
+            family_spectrum(result.member(i).model, n_blocks[i], s_blocks[i]) for i in range(n)
+        ]
+        out["log_sigma_a_layers"] = np.array([s["log_sigma_a"] for s in spectra])
+        out["log_sigma_b_layers"] = np.array([s.get("log_sigma_b", np.nan) for s in spectra])
+    steps = out["num_steps"].astype(float)
+    out["batch_efficiency"] = np.full(n, steps.mean() / max(steps.max(), 1.0))
+    return out
+
+
+VARIABLES = {
+    "status": np.int8,
+    "t_end": np.float64,
+    "loss": np.float64,
+    "loss_init": np.float64,
+    "num_steps": np.int64,
+    "num_rejected_steps": np.int64,
+    "stable_rank": np.float64,
+    "effective_rank": np.float64,
+    "batch_efficiency": np.float64,
+    "wall_time_s": np.float64,
+    "log_sigma_a_layers": np.float64,
+    "log_sigma_b_layers": np.float64,
+    "run_id": np.int64,
+}
+
+
+def _template(spec: SweepSpec, order):
+    import xarray as xr
+
+    points = spec.points()
+    flat = [i for _, idx in order for i in idx]
+    n = len(flat)
+    coords = {
+        name: ("point", np.array([points[i][name] for i in flat], dtype=float))
+        for name in spec.axes
+    }
+    coords["grid_index"] = ("point", np.array(flat, dtype=np.int64))
+    data = {}
+    for name, dtype in VARIABLES.items():
+        fill = -1 if np.issubdtype(dtype, np.integer) else np.nan
+        data[name] = ("point", np.full(n, fill, dtype=dtype))
+    data["sigma"] = (("point", "k"), np.full((n, spec.top), np.nan))
+    data["done"] = ("point", np.zeros(n, dtype=bool))
+    ds = xr.Dataset(data, coords=coords)
+    ds.attrs["spec"] = spec.to_json()
+    ds.attrs["axes"] = json.dumps(list(spec.axes))
+    ds.attrs["chunk_size"] = spec.chunk_size
+    ds.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return ds
+
+
+def _open_or_create(path, spec, order, resume):
+    import xarray as xr
+
+    if os.path.exists(path):
+        if not resume:
+            raise FileExistsError(f"{path} exists: pass resume=True (--resume) to continue it")
+        ds = xr.open_zarr(path, consolidated=False)
+        if ds.attrs.get("spec") != spec.to_json():
+            raise ValueError(f"{path} holds a different sweep; use another --out path")
+        return ds
+    template = _template(spec, order)
+    encoding = {
+        name: {"chunks": (spec.chunk_size,) + template[name].shape[1:]}
+        for name in template.data_vars
+    }
+    template.to_zarr(path, mode="w", encoding=encoding, compute=True, consolidated=False)
+    return xr.open_zarr(path, consolidated=False)
+
+
+def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=None):
+    """Run every flow of `spec` and return the results as an `xarray.Dataset` with one
+    dimension per axis (see `to_grid`).
+
+    With `out` (a path ending in `.zarr`), results stream into that store chunk by chunk;
+    `resume=True` continues a store left by an interrupted run, recomputing only unfinished
+    chunks. Ctrl-C stops after the chunk in flight is discarded; every finished chunk is kept.
+    `devices`: spread each batch over these JAX devices (default: all local devices).
+    """
+    import xarray as xr
+
+    order = execution_order(spec)
+    devices = devices if devices is not None else jax.local_devices()
+    if out is None:
+        ds = _template(spec, order)
+        store = None
+    else:
+        ds = _open_or_create(out, spec, order, resume)
+        store = out
+    done = np.asarray(ds["done"].values)
+    run_id = os.getpid()
+    todo = []
+    offset = 0
+    for _, idx in order:
+        if not done[offset : offset + len(idx)].all():
+            todo.append((offset, idx))
+        offset += len(idx)
+    bar = _progress(len(todo), spec.size - sum(len(i) for _, i in todo), spec.size, progress)
+    try:
+        for offset, idx in todo:
+            start = time.perf_counter()
+            res = run_chunk(spec, idx, devices)
+            wall = time.perf_counter() - start
+            region = slice(offset, offset + len(idx))
+            res["wall_time_s"] = np.full(len(idx), wall / len(idx))
+            res["run_id"] = np.full(len(idx), run_id, dtype=np.int64)
+            if store is None:
+                for name, values in res.items():
+                    ds[name][region] = values
+                ds["done"][region] = True
+            else:
+                chunk = xr.Dataset({name: (ds[name].dims, values) for name, values in res.items()})
+                chunk.to_zarr(store, region={"point": region}, consolidated=False)
+                flag = xr.Dataset({"done": ("point", np.ones(len(idx), dtype=bool))})
+                flag.to_zarr(store, region={"point": region}, consolidated=False)
+            bar.update(len(idx))
+    except KeyboardInterrupt:
+        bar.close()
+        print(
+            f"gflow sweep: interrupted; finished chunks are saved{' in ' + str(out) if out else ''}"
+        )
+        raise
+    bar.close()
+    if store is not None:
+        ds = xr.open_zarr(store, consolidated=False).load()
+    return to_grid(ds)
+
+
+def _progress(chunks, already, total, enabled):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=total,
+        initial=already,
+        unit="flow",
+        disable=not enabled,
+        desc=f"sweep ({chunks} chunks to run)",
+        smoothing=0.1,
+    )
+    return bar
+
+
+def to_grid(ds):
+    """The flat store as a dataset with one dimension per axis (canonical order)."""
+    axes = json.loads(ds.attrs["axes"])
+    spec = json.loads(ds.attrs["spec"])
+    shape = [len(spec["axes"][a]) for a in axes]
+    order = np.argsort(ds["grid_index"].values)
+    flat = ds.isel(point=order)
+    import xarray as xr
+
+    data = {}
+    for name, var in flat.data_vars.items():
+        values = var.values
+        data[name] = (tuple(axes) + var.dims[1:], values.reshape(shape + list(values.shape[1:])))
+    coords = {a: np.array([_scalar(v) for v in spec["axes"][a]]) for a in axes}
+    grid = xr.Dataset(data, coords=coords, attrs=dict(ds.attrs))
+    return grid
+
+
+def load_sweep(path):
+    """Open a sweep store as a gridded dataset."""
+    import xarray as xr
+
+    return to_grid(xr.open_zarr(path, consolidated=False).load())
+
+
+def export_table(ds, path=None):
+    """A flat table, one row per flow (axes as columns, `sigma_0 …` for the singular values),
+    as a pandas DataFrame; written as CSV, or parquet when `path` ends in `.parquet`."""
+    frame = ds.drop_vars("sigma").to_dataframe().reset_index()
+    sigma = ds["sigma"].values.reshape(-1, ds.sizes["k"])
+    for k in range(sigma.shape[1]):
+        frame[f"sigma_{k}"] = sigma[:, k]
+    if path is not None:
+        if str(path).endswith(".parquet"):
+            frame.to_parquet(path)
+        else:
+            frame.to_csv(path, index=False)
+    return frame
+
+
+def load_spec(path) -> SweepSpec:
+    """A `SweepSpec` from a TOML file (see `examples/sweep.toml`)."""
+    import tomllib
+
+    with open(path, "rb") as f:
+        return SweepSpec.from_dict(tomllib.load(f))

@@ -1,0 +1,90 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Loss of plasticity: pretrain on few observations, resume with more
+#
+# A depth-2 model pretrained on *disconnected* observations (the diagonal) converges fast to a
+# high-rank solution. Resumed with more observations it trains lazily — it barely moves — and
+# keeps the high rank; for m > m* ≈ 50 it even gets the sign of the unobserved entry wrong.
+# Depth ≥ 3 avoids this, but only when pretraining was coupled (m < ∞). Exact numbers:
+# theory.md §7. Set `GFLOW_NOTEBOOK_SMALL=1` for CI sizes.
+
+# %%
+import math
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+import gflow
+
+SMALL = os.environ.get("GFLOW_NOTEBOOK_SMALL") == "1"
+OUT = Path(os.environ.get("GFLOW_NOTEBOOK_OUT", "notebook-out"))
+OUT.mkdir(parents=True, exist_ok=True)
+
+# %% [markdown]
+# ## 2×2: the warm-start table and the wrong-sign threshold
+
+# %%
+problem, pretrain_mask = gflow.two_by_two_problem()
+for m in (2.0, 4.0, 16.0, math.inf):
+    r = gflow.plasticity(problem, pretrain_mask, gflow.identity_family(2, 2, 0.1, m))
+    print(
+        f"m = {m:>4}: warm X21 = {r.warm.unobserved_values['1,0']:+.9f}, "
+        f"stable rank {r.warm.stable_rank:.6f}, moved {r.warm.distance_travelled:.3f}; "
+        f"cold X21 = {r.cold.unobserved_values['1,0']:+.6f}"
+    )
+
+ms = np.geomspace(1.5, 400, 12 if SMALL else 40)
+curves = {}
+for depth in (2, 3):
+    values = []
+    for m in ms:
+        r = gflow.plasticity(
+            problem, pretrain_mask, gflow.identity_family(2, depth, 0.1, m), judge_trajectory=False
+        )
+        values.append(r.warm.unobserved_values["1,0"])
+    curves[depth] = np.array(values)
+
+fig, ax = plt.subplots(figsize=(5.5, 4), constrained_layout=True)
+for depth, values in curves.items():
+    ax.semilogx(ms, values, "o-", ms=3, label=f"warm start, L = {depth}")
+ax.axhline(0, color="k", lw=0.8)
+ax.axvline(49.99, color="r", ls="--", lw=0.8, label="m* ≈ 49.99 (theory)")
+ax.set_xlabel("init shape m (pretraining from αF_m, α = 0.1)")
+ax.set_ylabel("unobserved entry X₂₁ after resuming (truth: 1)")
+ax.set_title("2×2: depth 2 loses plasticity; wrong sign for m > m*")
+ax.legend(fontsize=8)
+fig.savefig(OUT / "plasticity_2x2.png", dpi=120)
+assert curves[2][ms > 60].max() < 0 < curves[2][ms < 40].min()
+
+# %% [markdown]
+# ## d×d: stable rank after resuming, warm vs cold, per depth
+
+# %%
+d = 6 if SMALL else 12
+depths = (2, 3) if SMALL else (2, 3, 4, 5)
+rows = gflow.dxd_study(d, depths, (0.1,), seed=0)
+for row in rows:
+    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+
+fig, ax = plt.subplots(figsize=(5.5, 4), constrained_layout=True)
+ax.plot(depths, [r["warm_stable_rank"] for r in rows], "o-", label="warm (pretrained on Ω₁)")
+ax.plot(depths, [r["cold_stable_rank"] for r in rows], "s--", label="cold (fresh init)")
+ax.set_xlabel("depth L")
+ax.set_ylabel("stable rank after training on Ω₂")
+ax.set_xticks(depths)
+ax.set_title(f"{d}×{d}, X* = J, Ω₁ = diagonal ⊂ Ω₂ connected, α = 0.1, m = 4")
+ax.legend()
+fig.savefig(OUT / "plasticity_dxd.png", dpi=120)

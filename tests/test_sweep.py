@@ -1,0 +1,183 @@
+"""Sweeps: batched grids against single flows, crash-safe resume, compile counts, devices."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import gflow
+
+SPEC = gflow.SweepSpec(
+    axes={"depth": [2, 3], "alpha": [0.1, 1e-2, 1e-3], "m": [4.0, math.inf]},
+    fixed={"dim": 3},
+    chunk_size=4,
+)
+
+
+@pytest.fixture(scope="module")
+def small_sweep(tmp_path_factory):
+    before = gflow._flow.COMPILE_COUNT["flow"]
+    out = tmp_path_factory.mktemp("sweep") / "grid.zarr"
+    ds = gflow.sweep(SPEC, out, progress=False)
+    return ds, out, gflow._flow.COMPILE_COUNT["flow"] - before
+
+
+def test_grid_dims_and_statuses(small_sweep):
+    ds, _, _ = small_sweep
+    assert dict(ds.sizes) == {"depth": 2, "alpha": 3, "m": 2, "k": 4}
+    assert np.all(np.isnan(ds["sigma"].values[..., 3]))  # a 3×3 matrix has 3 values
+    assert list(ds["depth"].values) == [2, 3]
+    assert np.all(ds["status"].values == gflow.Status.CONVERGED)
+    assert np.all(ds["done"].values)
+    assert json.loads(ds.attrs["spec"])["axes"]["alpha"] == [0.1, 0.01, 0.001]
+
+
+def test_points_equal_single_flows(small_sweep):
+    ds, _, _ = small_sweep
+    for depth, alpha, m in [(2, 0.1, 4.0), (3, 1e-3, 4.0), (3, 1e-2, math.inf)]:
+        single = gflow.flow(gflow.diagonal(3), gflow.identity_family(3, depth, alpha, m))
+        point = ds.sel(depth=depth, alpha=alpha, m=m)
+        np.testing.assert_allclose(
+            point["sigma"].values[:3],
+            gflow.singular_values(single.model),
+            rtol=1e-10,
+            atol=1e-14 * float(point["sigma"][0]),  # the SVD's own resolution
+        )
+        # Batched and single programs round differently, which can move one accept/reject
+        # decision of the step controller; the endpoint is unaffected (above), the stopping
+        # time moves by far less than the tolerance-scale of the time grid.
+        np.testing.assert_allclose(float(point["t_end"]), float(single.t_end), rtol=1e-6)
+        assert abs(int(point["num_steps"]) - int(single.num_steps)) <= 3
+
+
+def test_one_compilation_per_depth(small_sweep):
+    _, _, compiles = small_sweep
+    assert compiles <= 2
+
+
+def test_theory_agreement_in_the_store(small_sweep):
+    ds, _, _ = small_sweep
+    for depth in (2, 3):
+        for alpha in (0.1, 1e-2, 1e-3):
+            lim = gflow.family_limit(depth, 3, 1, alpha, 4.0)
+            got = float(ds["log_sigma_b_layers"].sel(depth=depth, alpha=alpha, m=4.0))
+            assert abs(got - float(lim.log_sigma_b)) < 1e-8
+
+
+def test_existing_store_needs_resume_and_resume_is_a_no_op(small_sweep):
+    _, out, _ = small_sweep
+    with pytest.raises(FileExistsError):
+        gflow.sweep(SPEC, out, progress=False)
+    before = gflow._flow.COMPILE_COUNT["flow"]
+    again = gflow.sweep(SPEC, out, resume=True, progress=False)
+    assert gflow._flow.COMPILE_COUNT["flow"] == before  # nothing recomputed
+    assert np.all(again["done"].values)
+
+
+def test_table_export(small_sweep, tmp_path):
+    ds, _, _ = small_sweep
+    frame = gflow.export_table(ds, tmp_path / "flat.csv")
+    assert len(frame) == 12 and {"depth", "alpha", "m", "sigma_0", "status"} <= set(frame)
+    assert (tmp_path / "flat.csv").read_text().startswith("depth,alpha,m")
+
+
+def test_diverging_point_is_a_status_not_an_exception():
+    spec = gflow.SweepSpec(axes={"alpha": [0.1, 1e40]}, fixed={"dim": 3, "depth": 3}, chunk_size=2)
+    ds = gflow.sweep(spec, progress=False)
+    assert [gflow.Status(int(s)).label for s in ds["status"].values] == ["converged", "diverged"]
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="unknown axis"):
+        gflow.SweepSpec(axes={"lr": [1]})
+    with pytest.raises(ValueError, match="unknown problem"):
+        gflow.SweepSpec(axes={"alpha": [1]}, problem="ring")
+
+
+KILL_CONFIG = textwrap.dedent(
+    """
+    problem = "diagonal"
+    init = "identity"
+    [axes]
+    alpha = [0.3, 0.2, 0.1, 0.07, 0.05, 0.03, 0.02, 0.01, 0.007, 0.005, 0.003, 0.002,
+             0.001, 0.0007, 0.0005, 0.0003]
+    m = [2.0, 4.0, 8.0, 16.0]
+    [fixed]
+    dim = 4
+    depth = 5
+    [sweep]
+    chunk_size = 4
+    """
+)
+
+
+def _done_chunks(store):
+    try:
+        ds = xr.open_zarr(store, consolidated=False)
+        return ds["done"].values.copy(), ds["run_id"].values.copy()
+    except Exception:
+        return None, None
+
+
+def test_sigkill_midway_then_resume_loses_and_repeats_nothing(tmp_path):
+    config = tmp_path / "kill.toml"
+    config.write_text(KILL_CONFIG)
+    store = tmp_path / "kill.zarr"
+    cmd = [sys.executable, "-m", "gflow._cli", "sweep", str(config), "--out", str(store), "--quiet"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    done = None
+    while time.time() < deadline:
+        done, run_ids = _done_chunks(store)
+        if done is not None and 8 <= done.sum() < done.size:
+            break
+        if proc.poll() is not None:
+            pytest.fail("the sweep finished before it could be killed; make the grid longer")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done, first_ids = _done_chunks(store)
+    assert 0 < done.sum() < done.size
+    finished_before = done.copy()
+    result = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    done_after, ids_after = _done_chunks(store)
+    assert done_after.all()
+    # chunks finished before the kill kept the first run's id: not recomputed
+    np.testing.assert_array_equal(ids_after[finished_before], first_ids[finished_before])
+    assert np.all(ids_after[~finished_before] != first_ids[finished_before][0])
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["flows"] == 64
+
+
+def test_several_devices_give_identical_results(tmp_path):
+    script = textwrap.dedent(
+        """
+        import jax
+        jax.config.update("jax_num_cpu_devices", 4)
+        import json, math, numpy as np, gflow
+        spec = gflow.SweepSpec(axes={"alpha": [0.1, 0.03, 0.01, 0.003, 0.001], "m": [4.0]},
+                               fixed={"dim": 3, "depth": 3}, chunk_size=5)
+        assert len(jax.local_devices()) == 4
+        many = gflow.sweep(spec, progress=False)
+        one = gflow.sweep(spec, progress=False, devices=jax.local_devices()[:1])
+        print(json.dumps({"diff": float(np.nanmax(np.abs(many["sigma"].values - one["sigma"].values))),
+                          "steps_equal": bool((many["num_steps"] == one["num_steps"]).all())}))
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    # identical up to the round-off of a different batch size per device (σ₁ = 3)
+    assert report["diff"] <= 1e-14 and report["steps_equal"]
