@@ -169,8 +169,9 @@ def test_several_devices_give_identical_results(tmp_path):
         assert len(jax.local_devices()) == 4
         many = gflow.sweep(spec, progress=False)
         one = gflow.sweep(spec, progress=False, devices=jax.local_devices()[:1])
-        print(json.dumps({"diff": float(np.nanmax(np.abs(many["sigma"].values - one["sigma"].values))),
-                          "steps_equal": bool((many["num_steps"] == one["num_steps"]).all())}))
+        diff = np.nanmax(np.abs(many["sigma"].values - one["sigma"].values))
+        same_steps = bool((many["num_steps"] == one["num_steps"]).all())
+        print(json.dumps({"diff": float(diff), "steps_equal": same_steps}))
         """
     )
     env = dict(os.environ, JAX_PLATFORMS="cpu")
