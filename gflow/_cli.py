@@ -262,6 +262,22 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_reproduce(args) -> int:
+    from ._reproduce import reproduce
+
+    if args.quick and args.full:
+        raise UsageError("choose one of --quick and --full")
+    mode = "quick" if args.quick else "full" if args.full else "default"
+    facts = reproduce(args.out, mode, progress=not args.quiet)
+    rows = facts["claims"]
+    good = sum(all(m is not False for m in r["marks"]) for r in rows)
+    print(
+        f"gflow reproduce: {good}/{len(rows)} claim rows reproduced in "
+        f"{facts['elapsed_s']:.0f} s; report: {os.path.join(args.out, 'report.html')}"
+    )
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gflow", description="Exact gradient flow on deep matrix factorizations.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -295,6 +311,12 @@ def make_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
     sweep.add_argument("--example", action="store_true", help="print the example config")
     sweep.set_defaults(func=cmd_sweep)
+    rep = sub.add_parser("reproduce", help="regenerate the paper's claims as a report")
+    rep.add_argument("--out", default="gflow-report", help="report folder (default gflow-report)")
+    rep.add_argument("--quick", action="store_true", help="small sizes (about a minute)")
+    rep.add_argument("--full", action="store_true", help="large grids (for a GPU)")
+    rep.add_argument("--quiet", action="store_true", help="no progress bar")
+    rep.set_defaults(func=cmd_reproduce)
     return parser
 
 

@@ -68,15 +68,20 @@ class DescentOptions:
         if not (isinstance(self.save_every, int) and self.save_every >= 0):
             raise ValueError("save_every must be a non-negative integer")
 
-    def transformation(self) -> optax.GradientTransformation:
+    def transformation(self, lr=None) -> optax.GradientTransformation:
+        """The optax transformation; `lr` (possibly traced) overrides `self.lr`."""
         if isinstance(self.optimizer, str):
-            return OPTIMIZERS[self.optimizer](self.lr)
+            return OPTIMIZERS[self.optimizer](self.lr if lr is None else lr)
         return self.optimizer
 
 
-def descend_solve(problem: Problem, model: Factorization, options: DescentOptions) -> FlowResult:
-    """The descent engine: one `lax.while_loop`, jittable and vmappable."""
-    opt = options.transformation()
+def descend_solve(
+    problem: Problem, model: Factorization, options: DescentOptions, lr=None
+) -> FlowResult:
+    """The descent engine: one `lax.while_loop`, jittable and vmappable. `lr` may be a traced
+    scalar (one compiled program serves every learning rate); default `options.lr`."""
+    lr = options.lr if lr is None else lr
+    opt = options.transformation(lr)
     dtype = model.layers[0].dtype
     rtol = options.rtol
     atol = options.atol
@@ -84,11 +89,10 @@ def descend_solve(problem: Problem, model: Factorization, options: DescentOption
         theta0 = _flatten(model)
         atol = 1e-2 * rtol * jnp.sqrt(jnp.mean(theta0**2))
         atol = jnp.where(atol > 0, atol, 1e-2 * rtol)
-    steps_for_t_max = (
-        options.max_steps
-        if math.isinf(options.t_max)
-        else min(options.max_steps, math.ceil(options.t_max / options.lr - 1e-9))
-    )
+    if math.isinf(options.t_max):
+        steps_for_t_max = options.max_steps
+    else:
+        steps_for_t_max = jnp.minimum(options.max_steps, jnp.ceil(options.t_max / lr - 1e-9))
     loss0 = problem.loss(model.product())
     num_sv = min(problem.shape)
     saving = options.save_every > 0
@@ -99,7 +103,7 @@ def descend_solve(problem: Problem, model: Factorization, options: DescentOption
         write = (k % options.save_every == 0) & (slot < n_save)
         slot = jnp.minimum(slot, n_save - 1)
         new = {
-            "t": k * options.lr,
+            "t": k * lr,
             "loss": loss,
             "sv": jnp.linalg.svd(params.product(), compute_uv=False)[:num_sv],
         }
@@ -142,7 +146,7 @@ def descend_solve(problem: Problem, model: Factorization, options: DescentOption
             "k": jnp.where(stop, k, k + 1),
             "status": status,
             "loss": loss,
-            "energy": state["energy"] + jnp.where(stop, 0.0, options.lr * tree_dot(g, g)),
+            "energy": state["energy"] + jnp.where(stop, 0.0, lr * tree_dot(g, g)),
         }
 
     state = {
@@ -173,7 +177,7 @@ def descend_solve(problem: Problem, model: Factorization, options: DescentOption
     return FlowResult(
         model=final["params"],
         status=final["status"],
-        t_end=k * options.lr,
+        t_end=k * lr,
         loss=final["loss"],
         loss_init=loss0,
         num_steps=k,
@@ -207,8 +211,11 @@ def descend(
     elif kwargs:
         raise TypeError("pass either `options` or keyword options, not both")
     model.check_problem(problem)
+    import dataclasses
+
+    # The learning rate is an argument of the compiled program, not part of its identity.
     key = (
-        options,
+        dataclasses.replace(options, lr=1.0),
         jax.tree_util.tree_structure((problem, model)),
         tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves((problem, model))),
     )
@@ -216,13 +223,14 @@ def descend(
     compile_time = 0.0
     if compiled is None:
         start = time.perf_counter()
-        fn = lambda p, m: descend_solve(p, m, options)
-        compiled = jax.jit(fn).lower(problem, model).compile()
+        fn = lambda p, m, lr: descend_solve(p, m, options, lr)
+        lr0 = jnp.asarray(options.lr, model.layers[0].dtype)
+        compiled = jax.jit(fn).lower(problem, model, lr0).compile()
         compile_time = time.perf_counter() - start
         if isinstance(options.optimizer, str):
             _COMPILED[key] = compiled
     start = time.perf_counter()
-    result = compiled(problem, model)
+    result = compiled(problem, model, jnp.asarray(options.lr, model.layers[0].dtype))
     jax.block_until_ready(result)
     return result.timed(time.perf_counter() - start, compile_time)
 

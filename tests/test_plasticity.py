@@ -128,3 +128,25 @@ def test_plasticity_validation(two_by_two):
         gflow.plasticity(problem, np.ones((2, 2)), gflow.identity_family(2, 2, 0.1, 4.0))
     with pytest.raises(ValueError, match="shape"):
         gflow.plasticity(problem, np.eye(3), gflow.identity_family(2, 2, 0.1, 4.0))
+
+
+def test_plasticity_cli_2x2(capsys):
+    import json
+
+    assert gflow._cli.main(["plasticity", "--depths", "2", "--ms", "2", "inf", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    x21 = [r["warm"]["unobserved_values"]["1,0"] for r in rows]
+    np.testing.assert_allclose(x21, [0.705842682347, -0.034715573932], atol=1e-8)
+
+
+def test_plasticity_notebook_runs_small(tmp_path, monkeypatch):
+    import os
+    import runpy
+    from pathlib import Path
+
+    monkeypatch.setenv("GFLOW_NOTEBOOK_SMALL", "1")
+    monkeypatch.setenv("GFLOW_NOTEBOOK_OUT", str(tmp_path))
+    root = Path(__file__).resolve().parents[1]
+    runpy.run_path(os.fspath(root / "notebooks" / "plasticity.py"), run_name="__main__")
+    assert (tmp_path / "plasticity_2x2.png").stat().st_size > 10_000
+    assert (tmp_path / "plasticity_dxd.png").stat().st_size > 10_000
