@@ -40,3 +40,16 @@ def test_report_files(report):
     ]:
         assert (report / name).stat().st_size > 1000, name
     assert (report / "identity_family.zarr").is_dir()
+
+
+@pytest.mark.parametrize("name", ["01_quickstart", "02_depth_and_rank"])
+def test_notebooks_run_small(tmp_path, monkeypatch, name):
+    import os
+    import runpy
+    from pathlib import Path
+
+    monkeypatch.setenv("GFLOW_NOTEBOOK_SMALL", "1")
+    monkeypatch.setenv("GFLOW_NOTEBOOK_OUT", str(tmp_path))
+    root = Path(__file__).resolve().parents[1]
+    runpy.run_path(os.fspath(root / "notebooks" / f"{name}.py"), run_name="__main__")
+    assert any(p.suffix == ".png" for p in tmp_path.iterdir())

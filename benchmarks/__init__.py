@@ -1,0 +1,1 @@
+"""gflow's benchmark suite: `python -m benchmarks run [--quick]`."""

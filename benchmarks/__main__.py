@@ -1,0 +1,157 @@
+"""`python -m benchmarks run [--quick] [--only NAME ...] [--out DIR]`
+
+Runs each benchmark, writes `DIR/NAME.json` and `DIR/NAME.png`, and prints a summary of the
+ratios measured side by side in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def _plot(name, result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4), constrained_layout=True)
+    if name == "sgd_matched_accuracy":
+        for case, r in result.items():
+            ax.loglog(
+                r["lrs"], r["sgd_errors"], "o", label=f"SGD, {case} (slope {r['fitted_slope']:.2f})"
+            )
+            xs = [t["sgd_lr"] for t in r["targets"]] + r["lrs"]
+            ax.loglog(sorted(xs), [r["error_per_lr"] * x for x in sorted(xs)], "--", lw=0.8)
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("endpoint error of σ₁ vs the exact flow")
+        ax.set_title("SGD error ∝ lr: the fit used to extrapolate")
+    elif name == "small_alpha_reach":
+        rows = result["rows"]
+        labels = [f"L{r['L']} α{r['alpha']:.0e}" for r in rows]
+        ax.bar(range(len(rows)), [r["sgd_steps_needed"] for r in rows], label="SGD steps needed")
+        ax.bar(range(len(rows)), [r["gflow_steps"] for r in rows], label="gflow steps")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(rows)), labels, rotation=60, fontsize=7)
+        ax.set_ylabel("steps to the endpoint")
+        ax.set_title("Small-α reach")
+    elif name == "other_integrators":
+        names = ["gflow"] + list(result["baselines"])
+        walls = [result["gflow_wall_s"]] + [b["wall_s"] for b in result["baselines"].values()]
+        ax.bar(names, walls)
+        ax.set_yscale("log")
+        ax.set_ylabel("wall time per flow (s)")
+        ax.set_title(f"One flow, {result['problem']}, rtol {result['rtol']:g}")
+    elif name == "sweep_throughput":
+        rows = result["rows"]
+        ax.plot(
+            [r["batch_size"] for r in rows],
+            [r["flows_per_s"] for r in rows],
+            "o-",
+            label="gflow sweep",
+        )
+        ax.axhline(
+            result["python_loop_flows_per_s"],
+            ls="--",
+            color="k",
+            label="Python loop of jitted flows",
+        )
+        ax.set_xscale("log")
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("flows per second")
+        ax.set_title(f"Sweep throughput ({result['flows']} flows)")
+    elif name == "rhs_efficiency":
+        for depth in sorted({r["L"] for r in result["rows"]}):
+            rows = [r for r in result["rows"] if r["L"] == depth]
+            ax.semilogx(
+                [r["d"] for r in rows],
+                [r["fraction_of_matmul_rate"] for r in rows],
+                "o-",
+                label=f"L = {depth}",
+            )
+        ax.set_xlabel("matrix size d")
+        ax.set_ylabel("gradient FLOP rate / matmul FLOP rate")
+        ax.set_title("RHS efficiency")
+    ax.legend(fontsize=8) if ax.get_legend_handles_labels()[0] else None
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _summary(name, r):
+    if name == "sgd_matched_accuracy":
+        return "; ".join(
+            f"{case} {t['target']:.0e}: SGD/gflow = {t['ratio']:.3g}×"
+            for case, v in r.items()
+            for t in v["targets"]
+        )
+    if name == "small_alpha_reach":
+        worst = min(x["ratio"] for x in r["rows"])
+        best = max(x["ratio"] for x in r["rows"])
+        return f"SGD/gflow wall (estimated) = {worst:.3g}× … {best:.3g}×"
+    if name == "other_integrators":
+        parts = [f"{k}/gflow = {v['ratio']:.3g}×" for k, v in r["baselines"].items()]
+        parts.append(
+            f"{r['sweep']['flows']}-flow sweep: scipy DOP853/gflow = {r['sweep']['ratio']:.3g}×"
+        )
+        t = r["torchdiffeq"]
+        parts.append(t if isinstance(t, str) else f"torchdiffeq/gflow = {t['ratio']:.3g}×")
+        return "; ".join(parts)
+    if name == "sweep_throughput":
+        best = max(r["rows"], key=lambda x: x["flows_per_s"])
+        return (
+            f"{best['flows_per_s']:.3g} flows/s at batch {best['batch_size']} "
+            f"(efficiency {best['batch_efficiency']:.2f}), {best['speedup_vs_loop']:.3g}× "
+            "a Python loop"
+        )
+    if name == "rhs_efficiency":
+        return "; ".join(
+            f"d={x['d']} L={x['L']}: {x['fraction_of_matmul_rate']:.0%}" for x in r["rows"]
+        )
+    return ""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    parser.add_argument("command", choices=["run"])
+    parser.add_argument("--quick", action="store_true", help="CI sizes (≤ 2 min on 2 cores)")
+    parser.add_argument("--only", nargs="+", help="run only these benchmarks")
+    parser.add_argument("--out", default="benchmarks/results", help="output folder")
+    args = parser.parse_args(argv)
+    from benchmarks.suite import BENCHMARKS, environment
+
+    names = args.only or list(BENCHMARKS)
+    unknown = set(names) - set(BENCHMARKS)
+    if unknown:
+        parser.error(f"unknown benchmark(s) {sorted(unknown)}; choose from {list(BENCHMARKS)}")
+    os.makedirs(args.out, exist_ok=True)
+    env = environment()
+    print(
+        f"gflow benchmarks ({'quick' if args.quick else 'full'}) on {env['device']}, "
+        f"{env['dtype']}, jax {env['jax']}"
+    )
+    for name in names:
+        start = time.perf_counter()
+        result = BENCHMARKS[name](args.quick)
+        elapsed = time.perf_counter() - start
+        record = {
+            "benchmark": name,
+            "quick": args.quick,
+            "elapsed_s": elapsed,
+            **env,
+            "result": result,
+        }
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+            json.dump(record, f, indent=1, default=str)
+        _plot(name, result, os.path.join(args.out, f"{name}.png"))
+        print(f"{name:>22} ({elapsed:5.1f} s)  {_summary(name, result)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
