@@ -42,7 +42,9 @@ def environment() -> dict:
 def sgd_matched_accuracy(quick: bool) -> dict:
     """SGD's endpoint error is ∝ lr, so the lr reaching a target error ε is ε/C with C fitted
     on measured runs, and its cost is (steps to converge ∝ 1/lr) × (measured time per step).
-    gflow's cost is measured at the loosest rtol that reaches ε."""
+    gflow's cost is measured at the loosest rtol that reaches ε. The error is the largest
+    relative error over every singular value ≥ 1e-6·σ₁ of the reference: the small ones carry
+    the rank, and they carry SGD's O(lr) bias."""
     d, depth, alpha = (12, 3, 0.1) if quick else (20, 3, 0.1)
     cases = {
         "diagonal": (gflow.diagonal(d), gflow.identity_family(d, depth, alpha, 4.0)),
@@ -60,7 +62,7 @@ def sgd_matched_accuracy(quick: bool) -> dict:
         for lr in lrs:
             gflow.descend(problem, init, lr=lr, max_steps=10)  # compile once, outside timing
             r = gflow.descend(problem, init, lr=lr)
-            errors.append(gflow.endpoint_distance(r, ref, problem, top=1)["singular_values"])
+            errors.append(gflow.endpoint_distance(r, ref, problem)["singular_values"])
             per_step.append(r.wall_time_s / int(r.num_steps))
             steps.append(int(r.num_steps))
         slope = gflow.loglog_slope(lrs, errors)
@@ -75,7 +77,7 @@ def sgd_matched_accuracy(quick: bool) -> dict:
             for rtol in (1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10, 1e-11):
                 gflow.flow(problem, init, rtol=rtol)  # compile
                 wall, r = _best_of(gflow.flow, problem, init, rtol=rtol, repeats=2)
-                err = gflow.endpoint_distance(r, ref, problem, top=1)["singular_values"]
+                err = gflow.endpoint_distance(r, ref, problem)["singular_values"]
                 if err <= eps:
                     flow_wall, flow_rtol, flow_err = wall, rtol, err
                     break
@@ -165,7 +167,7 @@ def other_integrators(quick: bool) -> dict:
     problem = gflow.bernoulli(d, d, 0.6, 1, key=1)
     init = gflow.gaussian([d] * (depth + 1), 0.5, key=2)
     rtol, atol = 1e-8, 1e-10
-    opts = gflow.FlowOptions(rtol=rtol, atol=atol, solver="tsit5")
+    opts = gflow.FlowOptions(rtol=rtol, atol=atol)
     gflow.flow(problem, init, opts)
     wall, r = _best_of(gflow.flow, problem, init, opts)
     t_end = float(r.t_end)
@@ -301,11 +303,19 @@ def rhs_efficiency(quick: bool) -> dict:
     for d in sizes:
         a = jax.random.normal(jax.random.key(0), (d, d))
         b = jax.random.normal(jax.random.key(1), (d, d))
-        matmul = jax.jit(lambda x, y: x @ y)
-        matmul(a, b).block_until_ready()
-        t_mm, _ = _best_of(matmul, a, b, repeats=5)
-        mm_rate = 2 * d**3 / t_mm
         for depth in (3, 6):
+            # The physical limit of one gradient: the same number of d×d matmuls, in one program.
+            count = 3 * depth - 2
+
+            def chain(x, y, count=count):
+                for _ in range(count):
+                    x = x @ y
+                return x
+
+            matmul = jax.jit(chain)
+            matmul(a, b).block_until_ready()
+            t_mm, _ = _best_of(matmul, a, b, repeats=5)
+            mm_rate = count * 2 * d**3 / t_mm
             problem = gflow.bernoulli(d, d, 0.3, 2, key=0)
             model = gflow.gaussian([d] * (depth + 1), 1.0, key=1)
             grad = jax.jit(gflow.Factorization.gradient)

@@ -182,3 +182,31 @@ def test_several_devices_give_identical_results(tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     # identical up to the round-off of a different batch size per device (σ₁ = 3)
     assert report["diff"] <= 1e-14 and report["steps_equal"]
+
+
+@pytest.mark.slow
+def test_the_512_flow_grid_completes_with_a_status_everywhere(tmp_path):
+    spec = gflow.SweepSpec(
+        axes={
+            "depth": [2, 3, 4, 5],
+            "alpha": list(np.geomspace(1e-1, 1e-4, 8)),
+            "m": [2.0, 4.0, 16.0, math.inf],
+            "seed": [0, 1, 2, 3],
+        },
+        fixed={"dim": 8},
+        chunk_size=64,
+    )
+    before = gflow._flow.COMPILE_COUNT["flow"]
+    ds = gflow.sweep(spec, tmp_path / "grid.zarr", progress=False)
+    assert gflow._flow.COMPILE_COUNT["flow"] - before <= 4
+    assert ds["status"].size == 512 and np.all(ds["status"].values >= 0)
+    for depth, alpha, m in [(2, 0.1, 2.0), (5, 1e-4, 16.0)]:
+        a = float(ds["alpha"].values[np.argmin(np.abs(ds["alpha"].values - alpha))])
+        single = gflow.flow(gflow.diagonal(8), gflow.identity_family(8, depth, a, m))
+        point = ds.sel(depth=depth, alpha=a, m=m, seed=0)
+        np.testing.assert_allclose(
+            point["sigma"].values,
+            gflow.singular_values(single.model)[:4],
+            rtol=1e-10,
+            atol=1e-14 * float(point["sigma"][0]),
+        )
