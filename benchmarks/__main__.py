@@ -78,6 +78,13 @@ def _plot(name, result, path):
         ax.set_xlabel("matrix size d")
         ax.set_ylabel("gradient FLOP rate / matmul FLOP rate")
         ax.set_title("RHS efficiency")
+    elif name == "stiff_tail":
+        names = list(result["rows"])
+        ax.bar(range(len(names)), [v["wall_s"] for v in result["rows"].values()])
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("wall time after compilation (s)")
+        ax.set_title(result["problem"], fontsize=9)
     ax.legend(fontsize=8) if ax.get_legend_handles_labels()[0] else None
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -109,6 +116,11 @@ def _summary(name, r):
             f"(efficiency {best['batch_efficiency']:.2f}), {best['speedup_vs_loop']:.3g}× "
             "a Python loop"
         )
+    if name == "stiff_tail":
+        rows = r["rows"]
+        return "; ".join(
+            f"{k}: {v['status']} {v['wall_s']:.3g} s ({v['steps']} steps)" for k, v in rows.items()
+        ) + (f"; Kvaerno5/auto = {r['ratio_kvaerno5_over_auto']:.3g}×")
     if name == "rhs_efficiency":
         return "; ".join(
             f"d={x['d']} L={x['L']}: {x['fraction_of_matmul_rate']:.0%}" for x in r["rows"]
