@@ -107,7 +107,14 @@ def _summary(name, r):
             f"{r['sweep']['flows']}-flow sweep: scipy DOP853/gflow = {r['sweep']['ratio']:.3g}×"
         )
         t = r["torchdiffeq"]
-        parts.append(t if isinstance(t, str) else f"torchdiffeq/gflow = {t['ratio']:.3g}×")
+        parts.append(
+            t
+            if isinstance(t, str)
+            else (
+                f"torchdiffeq/gflow = {t['ratio']:.3g}× per flow, {t['sweep_ratio']:.3g}× on the "
+                f"{r['sweep']['flows']}-flow sweep (torchdiffeq's per-flow time × flows)"
+            )
+        )
         return "; ".join(parts)
     if name == "sweep_throughput":
         best = max(r["rows"], key=lambda x: x["flows_per_s"])
