@@ -376,9 +376,9 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         t_end = jnp.where(handover, t_end + _final_time(sol3), t_end)
         sols.append(sol3)
         samples.append(samples3)
-        linear_iters = jnp.where(handover, sol3.solver_state, 0)
+        linear_iters = jnp.where(handover, sol3.solver_state["iters"], 0)
     elif isinstance(solver, Rodas4):
-        linear_iters = sol2.solver_state
+        linear_iters = sol2.solver_state["iters"]
     else:
         linear_iters = jnp.asarray(0, jnp.int32)
 

@@ -92,12 +92,11 @@ def conjugate_gradient(matvec, b, *, rtol, max_iters, precondition=lambda r: r):
     return x, converged, k
 
 
-def nystrom_preconditioner(hvp, size, rank, shift, key, dtype):
-    """Randomized Nyström preconditioner for (H + shift·I), H symmetric PSD given by `hvp`
-    (Frangella, Tropp & Udell, SIAM J. Matrix Anal. Appl. 2023). The top `rank` eigenpairs of
-    H — the stiff directions of a converged flow — are inverted exactly, the rest scaled.
-
-    Falls back to the identity when the sketch is not positive definite (H indefinite)."""
+def nystrom_sketch(hvp, size, rank, key, dtype):
+    """Randomized Nyström approximation H ≈ U diag(λ) Uᵀ of a symmetric PSD H given by `hvp`
+    (Frangella, Tropp & Udell, SIAM J. Matrix Anal. Appl. 2023): the top `rank` eigenpairs —
+    for a converged flow, its stiff directions. Returns zeros (no preconditioning) when the
+    sketch is not positive definite (H indefinite)."""
     omega = jax.random.normal(key, (size, rank), dtype)
     q, _ = jnp.linalg.qr(omega)
     y = jax.vmap(hvp, in_axes=1, out_axes=1)(q)
@@ -109,8 +108,12 @@ def nystrom_preconditioner(hvp, size, rank, shift, key, dtype):
     u, sigma, _ = jnp.linalg.svd(b, full_matrices=False)
     lam = jnp.maximum(sigma**2 - nu, 0.0)
     ok = jnp.all(jnp.isfinite(u)) & jnp.all(jnp.isfinite(lam))
-    u = jnp.where(ok, u, 0.0)
-    lam = jnp.where(ok, lam, 0.0)
+    return jnp.where(ok, u, 0.0), jnp.where(ok, lam, 0.0)
+
+
+def nystrom_preconditioner(u, lam, shift):
+    """r ↦ P⁻¹r for (H + shift·I) from a Nyström sketch (U, λ): exact on span U, scaled
+    elsewhere. Any sketch gives a valid SPD preconditioner; a stale one only slows CG."""
     scale = lam[-1] + shift
 
     def apply(r):
@@ -129,6 +132,10 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       gradient flow), or `"auto"` (dense up to `dense_max` unknowns).
     - `cg_rtol`, `cg_max_iters`: CG stopping rule. A CG solve that does not converge (or meets
       negative curvature) makes the step fail, and the controller retries a smaller one.
+    - `preconditioner_rank`: rank of a randomized Nyström preconditioner for CG (0: none),
+      rebuilt every `preconditioner_refresh` accepted steps and carried in between (the
+      Hessian of a flow's tail changes slowly; a stale preconditioner costs iterations, never
+      accuracy).
     """
 
     term_structure: ClassVar = diffrax.AbstractTerm
@@ -139,7 +146,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     dense_max: int = 2000
     cg_rtol: float = 1e-10
     cg_max_iters: int = 2000
-    preconditioner_rank: int = 0
+    preconditioner_rank: int = 64
+    preconditioner_refresh: int = 25
 
     def order(self, terms):
         return 4
@@ -147,8 +155,22 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     def error_order(self, terms):
         return 4
 
+    def _uses_cg(self, size):
+        return self.linear_solver == "cg" or (
+            self.linear_solver == "auto" and size > self.dense_max
+        )
+
     def init(self, terms, t0, t1, y0, args):
-        return jnp.asarray(0, jnp.int32)  # linear-solve iterations so far (CG; 0 when dense)
+        # CG iterations so far (0 when dense), and the carried preconditioner.
+        flat, _ = ravel_pytree(y0)
+        state = {"iters": jnp.asarray(0, jnp.int32)}
+        size = flat.shape[0]
+        if self._uses_cg(size) and self.preconditioner_rank > 0:
+            rank = min(self.preconditioner_rank, size)
+            state["u"] = jnp.zeros((size, rank), flat.dtype)
+            state["lam"] = jnp.zeros((rank,), flat.dtype)
+            state["age"] = jnp.asarray(self.preconditioner_refresh, jnp.int32)
+        return state
 
     def func(self, terms, t0, y0, args):
         return terms.vf(t0, y0, args)
@@ -164,10 +186,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         h = t1 - t0
         shift = 1.0 / (h * _GAMMA)
         f0, jvp = jax.linearize(f, flat0)
-        dense = self.linear_solver == "dense" or (
-            self.linear_solver == "auto" and size <= self.dense_max
-        )
-        if dense:
+        new_state = dict(solver_state)
+        if not self._uses_cg(size):
             jac = jax.vmap(jvp, out_axes=1)(jnp.eye(size, dtype=flat0.dtype))
             lu = jax.scipy.linalg.lu_factor(shift * jnp.eye(size, dtype=flat0.dtype) - jac)
 
@@ -179,15 +199,17 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             hvp = lambda v: -jvp(v)
             matvec = lambda v: shift * v + hvp(v)
             precondition = lambda r: r
-            if self.preconditioner_rank > 0:
-                precondition = nystrom_preconditioner(
-                    hvp,
-                    size,
-                    min(self.preconditioner_rank, size),
-                    shift,
-                    jax.random.key(0),
-                    flat0.dtype,
+            if "u" in solver_state:
+                rank = solver_state["u"].shape[1]
+                rebuild = solver_state["age"] >= self.preconditioner_refresh
+                u, lam = jax.lax.cond(
+                    rebuild,
+                    lambda: nystrom_sketch(hvp, size, rank, jax.random.key(0), flat0.dtype),
+                    lambda: (solver_state["u"], solver_state["lam"]),
                 )
+                precondition = nystrom_preconditioner(u, lam, shift)
+                age = jnp.where(rebuild, 1, solver_state["age"] + 1)
+                new_state |= {"u": u, "lam": lam, "age": age.astype(jnp.int32)}
 
             def solve(rhs):
                 return conjugate_gradient(
@@ -219,4 +241,5 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         y_error = unravel(err)
         dense_info = dict(y0=y0, y1=y1)
         result = diffrax.RESULTS.successful
-        return y1, y_error, dense_info, solver_state + iters.astype(jnp.int32), result
+        new_state["iters"] = solver_state["iters"] + iters.astype(jnp.int32)
+        return y1, y_error, dense_info, new_state, result
