@@ -30,7 +30,7 @@ def _plot(name, result, path):
             xs = [t["sgd_lr"] for t in r["targets"]] + r["lrs"]
             ax.loglog(sorted(xs), [r["error_per_lr"] * x for x in sorted(xs)], "--", lw=0.8)
         ax.set_xlabel("learning rate")
-        ax.set_ylabel("endpoint error of σ₁ vs the exact flow")
+        ax.set_ylabel("endpoint error (σ ≥ 1e-6σ₁) vs the exact flow")
         ax.set_title("SGD error ∝ lr: the fit used to extrapolate")
     elif name == "small_alpha_reach":
         rows = result["rows"]
@@ -92,11 +92,16 @@ def _plot(name, result, path):
 
 def _summary(name, r):
     if name == "sgd_matched_accuracy":
-        return "; ".join(
-            f"{case} {t['target']:.0e}: SGD/gflow = {t['ratio']:.3g}×"
-            for case, v in r.items()
-            for t in v["targets"]
-        )
+        parts = []
+        for case, v in r.items():
+            if not v["error_proportional_to_lr"]:
+                parts.append(
+                    f"{case}: SGD error not ∝ lr (slope {v['fitted_slope']:.2f}), no extrapolation"
+                )
+            parts += [
+                f"{case} {t['target']:.0e}: SGD/gflow = {t['ratio']:.3g}×" for t in v["targets"]
+            ]
+        return "; ".join(parts)
     if name == "small_alpha_reach":
         worst = min(x["ratio"] for x in r["rows"])
         best = max(x["ratio"] for x in r["rows"])
