@@ -58,6 +58,7 @@ from ._plasticity import connected_superset_mask as connected_superset_mask
 from ._plasticity import dxd_study as dxd_study
 from ._plasticity import plasticity as plasticity
 from ._plasticity import two_by_two_problem as two_by_two_problem
+from ._plasticity import two_by_two_warm_curve as two_by_two_warm_curve
 from ._sweep import SweepSpec as SweepSpec
 from ._sweep import export_table as export_table
 from ._sweep import load_spec as load_spec

@@ -156,6 +156,22 @@ def two_by_two_problem(value: float = 1.0) -> tuple[Problem, np.ndarray]:
     return Problem(target, resume_mask), np.eye(2)
 
 
+def two_by_two_warm_curve(depth: int, ms, alpha: float = 0.1, value: float = 1.0) -> np.ndarray:
+    """The unobserved X₂₁ after the warm start of the 2×2 study, for each init shape m of the
+    pretraining (theory.md §7: for depth 2 it changes sign at m* ≈ 49.99)."""
+    from ._init import identity_family
+
+    problem, pretrain_mask = two_by_two_problem(value)
+    return np.array(
+        [
+            plasticity(
+                problem, pretrain_mask, identity_family(2, depth, alpha, m), judge_trajectory=False
+            ).warm.unobserved_values["1,0"]
+            for m in ms
+        ]
+    )
+
+
 def connected_superset_mask(d: int, extra: int, key) -> np.ndarray:
     """The diagonal plus `extra` random off-diagonal entries, redrawn until the bipartite graph
     of rows and columns is connected (so the resumed problem is connected; d − 1 ≤ extra)."""

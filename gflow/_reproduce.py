@@ -285,17 +285,8 @@ def plasticity_section(size, out, bar):
 
     import gflow
 
-    problem, mask = gflow.two_by_two_problem()
     ms = size["ms"]
-    curves = {}
-    for depth in (2, 3):
-        vals = []
-        for m in ms:
-            r = gflow.plasticity(
-                problem, mask, gflow.identity_family(2, depth, 0.1, m), judge_trajectory=False
-            )
-            vals.append(r.warm.unobserved_values["1,0"])
-        curves[depth] = np.array(vals)
+    curves = {depth: gflow.two_by_two_warm_curve(depth, ms) for depth in (2, 3)}
     bar.update(1)
     rows = gflow.dxd_study(size["dxd"], size["dxd_depths"], (0.1,), seed=0, extra=size["dxd"] - 1)
     # Depth 2 on the connected Ω₂ alone, from a small init: the low-rank bias of a connected

@@ -47,15 +47,7 @@ for m in (2.0, 4.0, 16.0, math.inf):
     )
 
 ms = np.geomspace(1.5, 400, 12 if SMALL else 40)
-curves = {}
-for depth in (2, 3):
-    values = []
-    for m in ms:
-        r = gflow.plasticity(
-            problem, pretrain_mask, gflow.identity_family(2, depth, 0.1, m), judge_trajectory=False
-        )
-        values.append(r.warm.unobserved_values["1,0"])
-    curves[depth] = np.array(values)
+curves = {depth: gflow.two_by_two_warm_curve(depth, ms) for depth in (2, 3)}
 
 fig, ax = plt.subplots(figsize=(5.5, 4), constrained_layout=True)
 for depth, values in curves.items():
