@@ -324,8 +324,7 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
     y_mid = _final_state(sol1)
     status1 = _status(sol1, y_mid["model"], problem, options, phase_end_is_t_max=False)
     t_switch = y_mid["t"]
-    phase1_done = use_loss_clock & (status1 >= 0)
-    finished = phase1_done & (status1 != _CONTINUE)
+    finished = use_loss_clock & (status1 >= 0)  # phase 1 ended on its own status
 
     # Phase 2: physical time, from where phase 1 left off (explicit first under "auto").
     y2 = {"model": y_mid["model"]}

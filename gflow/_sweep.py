@@ -196,11 +196,10 @@ def execution_order(spec: SweepSpec) -> list[tuple[tuple, list[int]]]:
 # Running chunks
 
 
-def run_chunk(spec: SweepSpec, indices: list[int], devices=None) -> dict[str, np.ndarray]:
-    """Integrate the flows of one chunk as one vmapped batch (padded to `chunk_size` so every
-    chunk of a group shares one compiled program); returns per-point result arrays."""
-    points = spec.points()
-    chosen = [points[i] for i in indices]
+def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np.ndarray]:
+    """Integrate the flows of one chunk (grid points as parameter dicts) as one vmapped batch,
+    padded to `chunk_size` so every chunk of a group shares one compiled program; returns
+    per-point result arrays."""
     n_dev = len(devices) if devices else 1
     size = -(-spec.chunk_size // n_dev) * n_dev  # every device gets an equal slice
     padded = chosen + [chosen[-1]] * (size - len(chosen))
@@ -227,9 +226,6 @@ def run_chunk(spec: SweepSpec, indices: list[int], devices=None) -> dict[str, np
     out["stable_rank"] = np.array([stable_rank_of(s) for s in sigma])
     out["effective_rank"] = np.array([effective_rank_of(s) for s in sigma])
     if spec.init == "identity" and spec.problem != "bernoulli":
-        from ._result import FlowResult
-
-        assert isinstance(result, FlowResult)
         n_blocks = [p["dim"] if spec.problem == "diagonal" else p["blocks"] for p in chosen]
         s_blocks = [1 if spec.problem == "diagonal" else p["block_size"] for p in chosen]
         spectra = [
@@ -315,6 +311,7 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
     import xarray as xr
 
     order = execution_order(spec)
+    points = spec.points()
     devices = devices if devices is not None else jax.local_devices()
     if out is None:
         ds = _template(spec, order)
@@ -334,7 +331,7 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
     try:
         for offset, idx in todo:
             start = time.perf_counter()
-            res = run_chunk(spec, idx, devices)
+            res = run_chunk(spec, [points[i] for i in idx], devices)
             wall = time.perf_counter() - start
             region = slice(offset, offset + len(idx))
             res["wall_time_s"] = np.full(len(idx), wall / len(idx))
