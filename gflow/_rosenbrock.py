@@ -61,11 +61,12 @@ _M = [_A[(5, 1)], _A[(5, 2)], _A[(5, 3)], _A[(5, 4)], 1.0, 1.0]
 _STAGES = 6
 
 
-def conjugate_gradient(matvec, b, *, rtol, max_iters, precondition=lambda r: r):
+def conjugate_gradient(matvec, b, *, rtol, max_iters, precondition=lambda r: r, atol=0.0):
     """Solve A x = b for symmetric positive definite A, matrix-free, with an optional SPD
-    preconditioner (a function r ↦ M⁻¹r). Returns (x, converged, iterations)."""
+    preconditioner (a function r ↦ M⁻¹r), until ‖r‖ ≤ max(rtol·‖b‖, atol).
+    Returns (x, converged, iterations)."""
     b_norm = jnp.linalg.norm(b)
-    target = rtol * b_norm
+    target = jnp.maximum(rtol * b_norm, atol)
 
     def cond(state):
         _, r, _, _, k = state
@@ -92,33 +93,45 @@ def conjugate_gradient(matvec, b, *, rtol, max_iters, precondition=lambda r: r):
     return x, converged, k
 
 
-def nystrom_sketch(hvp, size, rank, key, dtype):
-    """Randomized Nyström approximation H ≈ U diag(λ) Uᵀ of a symmetric PSD H given by `hvp`
-    (Frangella, Tropp & Udell, SIAM J. Matrix Anal. Appl. 2023): the top `rank` eigenpairs —
-    for a converged flow, its stiff directions. Returns zeros (no preconditioning) when the
-    sketch is not positive definite (H indefinite)."""
-    omega = jax.random.normal(key, (size, rank), dtype)
-    q, _ = jnp.linalg.qr(omega)
-    y = jax.vmap(hvp, in_axes=1, out_axes=1)(q)
-    nu = jnp.finfo(dtype).eps * jnp.linalg.norm(y)
-    y_nu = y + nu * q
-    core = q.T @ y_nu
-    chol = jnp.linalg.cholesky(0.5 * (core + core.T))
-    b = jax.scipy.linalg.solve_triangular(chol, y_nu.T, lower=True).T
-    u, sigma, _ = jnp.linalg.svd(b, full_matrices=False)
-    lam = jnp.maximum(sigma**2 - nu, 0.0)
+def _cholesky_qr(y, passes=2):
+    """Orthonormal basis of range(y) by shifted Cholesky QR, repeated (Fukaya et al. 2020):
+    matrix products instead of Householder QR, several times faster on a tall, thin y; the
+    tiny shift keeps the Cholesky factorisation defined when y is nearly rank-deficient."""
+    eye = jnp.eye(y.shape[1], dtype=y.dtype)
+    for _ in range(passes):
+        gram = y.T @ y
+        shift = 1e-13 * jnp.trace(gram) / y.shape[1] + jnp.finfo(y.dtype).tiny
+        chol = jnp.linalg.cholesky(gram + shift * eye)
+        y = jax.scipy.linalg.solve_triangular(chol, y.T, lower=True).T
+    return y
+
+
+def spectral_sketch(hvp, omega):
+    """Randomized Rayleigh–Ritz approximation H ≈ U diag(λ) Uᵀ of a symmetric H given by `hvp`
+    (Halko, Martinsson & Tropp 2011, with one power step): Q = orth(HΩ), then the eigenpairs of
+    QᵀHQ. Unlike a Nyström sketch it needs no definiteness: near a saddle H has small negative
+    eigenvalues, which are clipped to 0 (the preconditioner then treats those directions like
+    the rest of the spectrum). For a flow's tail the top eigenpairs are its stiff directions."""
+    batched = jax.vmap(hvp, in_axes=1, out_axes=1)
+    q = _cholesky_qr(batched(omega))
+    core = q.T @ batched(q)
+    lam, v = jnp.linalg.eigh(0.5 * (core + core.T))
+    u = q @ v
+    lam = jnp.maximum(lam, 0.0)
     ok = jnp.all(jnp.isfinite(u)) & jnp.all(jnp.isfinite(lam))
-    return jnp.where(ok, u, 0.0), jnp.where(ok, lam, 0.0)
+    # Descending order, so that lam[-1] is the smallest eigenvalue the sketch resolved.
+    return jnp.where(ok, u[:, ::-1], 0.0), jnp.where(ok, lam[::-1], 0.0)
 
 
-def nystrom_preconditioner(u, lam, shift):
-    """r ↦ P⁻¹r for (H + shift·I) from a Nyström sketch (U, λ): exact on span U, scaled
+def sketch_preconditioner(u, lam, shift):
+    """r ↦ P⁻¹r for (H + shift·I) from a sketch (U, λ): exact on span U, scaled
     elsewhere. Any sketch gives a valid SPD preconditioner; a stale one only slows CG."""
     scale = lam[-1] + shift
 
+    weights = scale / (lam + shift) - 1.0
+
     def apply(r):
-        ur = u.T @ r
-        return r - u @ ur + u @ (scale * ur / (lam + shift))
+        return r + u @ (weights * (u.T @ r))
 
     return apply
 
@@ -132,7 +145,11 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       gradient flow), or `"auto"` (dense up to `dense_max` unknowns).
     - `cg_rtol`, `cg_max_iters`: CG stopping rule. A CG solve that does not converge (or meets
       negative curvature) makes the step fail, and the controller retries a smaller one.
-    - `preconditioner_rank`: rank of a randomized Nyström preconditioner for CG (0: none),
+    - `step_tolerance`: the step controller's `(rtol, atol)`. With it CG also stops once its
+      residual r is below `solve_fraction`·(1/(hγ))·‖atol + rtol·|y|‖: the error it leaves in
+      a stage, ‖r‖·hγ, is then that fraction of the step's own tolerance (for a positive
+      semi-definite Hessian), so no iterations are spent below the integration error.
+    - `preconditioner_rank`: rank of a randomized spectral preconditioner for CG (0: none),
       rebuilt every `preconditioner_refresh` accepted steps and carried in between (the
       Hessian of a flow's tail changes slowly; a stale preconditioner costs iterations, never
       accuracy).
@@ -148,6 +165,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     cg_max_iters: int = 2000
     preconditioner_rank: int = 64
     preconditioner_refresh: int = 25
+    step_tolerance: tuple | None = None
+    solve_fraction: float = 1e-3
 
     def order(self, terms):
         return 4
@@ -168,6 +187,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         if self._uses_cg(size) and self.preconditioner_rank > 0:
             rank = min(self.preconditioner_rank, size)
             state["u"] = jnp.zeros((size, rank), flat.dtype)
+            state["omega"] = jax.random.normal(jax.random.key(0), (size, rank), flat.dtype)
             state["lam"] = jnp.zeros((rank,), flat.dtype)
             state["age"] = jnp.asarray(self.preconditioner_refresh, jnp.int32)
         return state
@@ -195,27 +215,32 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                 x = jax.scipy.linalg.lu_solve(lu, rhs)
                 return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0)
         else:
-            # (I/(hγ) − J) K = rhs with −J = ∇²loss: CG with a Nyström preconditioner.
+            # (I/(hγ) − J) K = rhs with −J = ∇²loss: CG with a spectral preconditioner.
             hvp = lambda v: -jvp(v)
             matvec = lambda v: shift * v + hvp(v)
             precondition = lambda r: r
             if "u" in solver_state:
-                rank = solver_state["u"].shape[1]
                 rebuild = solver_state["age"] >= self.preconditioner_refresh
                 u, lam = jax.lax.cond(
                     rebuild,
-                    lambda: nystrom_sketch(hvp, size, rank, jax.random.key(0), flat0.dtype),
+                    lambda: spectral_sketch(hvp, solver_state["omega"]),
                     lambda: (solver_state["u"], solver_state["lam"]),
                 )
-                precondition = nystrom_preconditioner(u, lam, shift)
+                precondition = sketch_preconditioner(u, lam, shift)
                 age = jnp.where(rebuild, 1, solver_state["age"] + 1)
                 new_state |= {"u": u, "lam": lam, "age": age.astype(jnp.int32)}
+
+            floor = 0.0
+            if self.step_tolerance is not None:
+                rtol, atol = self.step_tolerance
+                floor = self.solve_fraction * shift * jnp.linalg.norm(atol + rtol * jnp.abs(flat0))
 
             def solve(rhs):
                 return conjugate_gradient(
                     matvec,
                     rhs,
                     rtol=self.cg_rtol,
+                    atol=floor,
                     max_iters=self.cg_max_iters,
                     precondition=precondition,
                 )
