@@ -6,6 +6,7 @@ from . import _precision as _precision  # noqa: F401  (switches on float64)
 from ._flow import FlowOptions as FlowOptions
 from ._flow import flow as flow
 from ._flow import flow_batch as flow_batch
+from ._flow import pad_depth as pad_depth
 from ._flow import solve as solve
 from ._flow import stack as stack
 from ._init import gaussian as gaussian

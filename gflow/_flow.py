@@ -16,7 +16,8 @@ explicit steps stay efficient once modes start to converge at different rates.
 still to travel is ‖θ(∞) − θ(t)‖ ≈ 2·loss/‖∇loss‖ (exact for a quadratic with one rate; as
 the slowest mode comes to dominate the loss it becomes exact for that mode). The flow stops when
 the remaining displacement δ = (2·loss/‖∇loss‖²)·∇loss is within the integration tolerance,
-RMS(δ_i / (atol + rtol·|θ_i|)) ≤ 1, the same norm diffrax's step controller uses. Being
+RMS(δ_i / (atol + rtol·|θ_i|)) ≤ 1, the same norm diffrax's step controller uses. The loss
+left at that point is ≈ ½λ(rtol·|θ|)²: relative to the initial loss, about rtol². Being
 relative to ∇loss it is scale-free: on the plateau of a small init, loss is O(1) while
 ‖∇loss‖ ~ α^{L−1}, so the estimate is huge and the rule cannot fire at t = 0; at a minimum it
 goes to zero like e^{−κt}, so it always fires. An exact stationary point (∇loss = 0) counts as
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import diffrax
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +52,7 @@ SOLVERS = {
 }
 FIXED_STEP = ("euler",)
 CLOCKS = ("auto", "physical", "loss")
+LINEAR_SOLVERS = ("auto", "dense", "cg")
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class FlowOptions:
       On the loss clock samples are evenly spaced in log(loss); in physical time they are
       log-spaced from 1e-3 to 1e8 loss time-scales (or up to `t_max`).
     - `certificates`: carry the energy integral ∫‖∇loss‖² dt as an extra state.
+    - `linear_solver`: how `rodas4` solves its linear systems: `auto` (dense LU up to 2,000
+      parameters, else matrix-free CG on Hessian-vector products), `dense` or `cg`.
     - `divergence_bound`: |θ_i| above this counts as diverged.
     - `dt`: the fixed step of `solver="euler"` (explicit Euler is gradient descent with
       learning rate dt: a reference for `descend`).
@@ -84,12 +89,13 @@ class FlowOptions:
     atol: float | None = None
     t_max: float = math.inf
     max_steps: int = 100_000
-    explicit_steps: int = 5_000
+    explicit_steps: int = 2_000
     clock: str = "auto"
     loss_clock_until: float = 1e-2
     save: int = 0
     save_layers: bool = False
     certificates: bool = False
+    linear_solver: str = "auto"
     divergence_bound: float = 1e100
     dt: float | None = None
     save_ts: tuple[float, ...] | None = None
@@ -111,6 +117,10 @@ class FlowOptions:
             object.__setattr__(self, "clock", "physical")
         elif self.dt is not None:
             raise ValueError("dt is only for fixed-step solvers (solver='euler')")
+        if self.linear_solver not in LINEAR_SOLVERS:
+            raise ValueError(
+                f"unknown linear_solver {self.linear_solver!r}; choose from {LINEAR_SOLVERS}"
+            )
         if self.solver not in SOLVERS and self.solver != "auto":
             raise ValueError(f"unknown solver {self.solver!r}; choose from {sorted(SOLVERS)}")
         if self.clock not in CLOCKS:
@@ -147,9 +157,24 @@ def _loss_time_scale(loss, grad_sq):
     return jnp.where(grad_sq > 0, 2.0 * loss / safe, 0.0)
 
 
+def _loss_and_gradient(model, problem, layer_mask):
+    """loss and ∇loss; with a layer mask (depth padding), frozen layers get zero gradient."""
+    loss, g = loss_and_gradient(model, problem)
+    if layer_mask is not None:
+        g = Factorization([w * layer_mask[i] for i, w in enumerate(g.layers)])
+    return loss, g
+
+
+def _entry_weights(model, layer_mask):
+    """1 for every trainable parameter, 0 for a frozen (padding) one, flattened like θ."""
+    return jnp.concatenate(
+        [jnp.full(w.size, layer_mask[i], w.dtype) for i, w in enumerate(model.layers)]
+    )
+
+
 def _physical_field(t, y, args):
-    problem = args[0]
-    _, g = loss_and_gradient(y["model"], problem)
+    problem, layer_mask = args[0], args[3]
+    _, g = _loss_and_gradient(y["model"], problem, layer_mask)
     dy = {"model": jax.tree_util.tree_map(jnp.negative, g)}
     if "energy" in y:
         dy["energy"] = tree_dot(g, g)
@@ -157,8 +182,8 @@ def _physical_field(t, y, args):
 
 
 def _loss_clock_field(tau, y, args):
-    problem = args[0]
-    loss, g = loss_and_gradient(y["model"], problem)
+    problem, layer_mask = args[0], args[3]
+    loss, g = _loss_and_gradient(y["model"], problem, layer_mask)
     h = _loss_time_scale(loss, tree_dot(g, g))
     dy = {"model": jax.tree_util.tree_map(lambda x: -h * x, g), "t": h}
     if "energy" in y:
@@ -173,24 +198,38 @@ def _safe_norm(x):
     return jnp.where(scale > 0, safe * jnp.sqrt(jnp.sum((x / safe) ** 2)), 0.0)
 
 
-def remaining_distance_ratio(model: Factorization, problem: Problem, rtol, atol):
+def remaining_distance_ratio(
+    model: Factorization, problem: Problem, rtol, atol, layer_mask=None
+) -> jax.Array:
     """RMS of the estimated remaining displacement in units of the tolerance (≤ 1: converged).
 
     δ = (2·loss/‖∇loss‖²)·∇loss, evaluated as (2·loss/‖g‖)·(g/‖g‖) so that huge gradients
-    cannot overflow into a spurious δ = 0."""
-    loss, g = loss_and_gradient(model, problem)
+    cannot overflow into a spurious δ = 0. With a layer mask the RMS runs over trainable
+    parameters only."""
+    loss, g = _loss_and_gradient(model, problem, layer_mask)
+    return _remaining_ratio(loss, g, model, rtol, atol, layer_mask)
+
+
+def _remaining_ratio(loss, g, model, rtol, atol, layer_mask):
     g = _flatten(g)
     g_norm = _safe_norm(g)
     safe = jnp.where(g_norm > 0, g_norm, 1.0)
     delta = jnp.where(g_norm > 0, (2.0 * loss / safe) * (g / safe), 0.0)
     scale = atol + rtol * jnp.abs(_flatten(model))
-    return jnp.sqrt(jnp.mean((delta / scale) ** 2))
+    if layer_mask is None:
+        return jnp.sqrt(jnp.mean((delta / scale) ** 2))
+    weights = _entry_weights(model, layer_mask)
+    return jnp.sqrt(jnp.sum(weights * (delta / scale) ** 2) / jnp.sum(weights))
 
 
 def _is_diverged(model, problem, bound):
     """Non-finite or huge parameters, or a loss or gradient beyond float range."""
-    theta = _flatten(model)
     loss, g = loss_and_gradient(model, problem)
+    return _diverged(loss, g, model, bound)
+
+
+def _diverged(loss, g, model, bound):
+    theta = _flatten(model)
     g_sq = tree_dot(g, g)
     return (
         ~jnp.isfinite(loss)
@@ -202,6 +241,23 @@ def _is_diverged(model, problem, bound):
 
 # --------------------------------------------------------------------------------------------
 # The engine: jittable and vmappable over (problem, model).
+
+
+class _MaskedRMS(eqx.Module):
+    """diffrax's RMS norm over trainable parameters only: a depth-padded flow takes exactly the
+    steps of the unpadded one (frozen layers have zero error but would dilute the mean)."""
+
+    layer_mask: jax.Array
+
+    def __call__(self, tree):
+        total, count = 0.0, 0.0
+        for key, value in tree.items():
+            leaves = value.layers if key == "model" else (value,)
+            for i, x in enumerate(leaves):
+                w = self.layer_mask[i] if key == "model" else 1.0
+                total = total + jnp.sum(jnp.where(w > 0, w * jnp.abs(x) ** 2, 0.0))
+                count = count + w * x.size
+        return jnp.sqrt(total / count)
 
 
 class _FiniteErrorPID(diffrax.PIDController):
@@ -240,7 +296,7 @@ def _rhs_evals_per_step(solver) -> int:
 
 def _summary(save_layers, num_sv):
     def fn(t, y, args):
-        problem, t_offset, loss_clock = args
+        problem, t_offset, loss_clock, _ = args
         model = y["model"]
         x = model.product()
         t_phys = y["t"] if loss_clock else t + t_offset
@@ -256,24 +312,42 @@ def _summary(save_layers, num_sv):
     return fn
 
 
-def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowResult:
-    """The flow engine: pure, jittable, vmappable. Use `flow` for validation and timing."""
+def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=None) -> FlowResult:
+    """The flow engine: pure, jittable, vmappable. Use `flow` for validation and timing.
+
+    `depth` (may be traced): train only the first `depth` layers; the others must be identity
+    matrices, which then stay frozen, so the product is that of a depth-`depth` network. This
+    lets one compiled program (and one batch) hold flows of several depths."""
     dtype = model.layers[0].dtype
-    solver = diffrax.Tsit5() if options.solver == "auto" else SOLVERS[options.solver]()
+    layer_mask = None
+    if depth is not None:
+        layer_mask = (jnp.arange(model.depth) < depth).astype(dtype)
     rtol = options.rtol
     theta0 = _flatten(model)
     atol = options.atol
     if atol is None:
-        atol = 1e-2 * rtol * jnp.sqrt(jnp.mean(theta0**2))
+        if layer_mask is None:
+            scale = jnp.sqrt(jnp.mean(theta0**2))
+        else:
+            weights = _entry_weights(model, layer_mask)
+            scale = jnp.sqrt(jnp.sum(weights * theta0**2) / jnp.sum(weights))
+        atol = 1e-2 * rtol * scale
         atol = jnp.where(atol > 0, atol, 1e-2 * rtol)
+    if options.solver == "auto":
+        solver = diffrax.Tsit5()
+    elif options.solver == "rodas4":
+        solver = Rodas4(linear_solver=options.linear_solver, step_tolerance=(rtol, atol))
+    else:
+        solver = SOLVERS[options.solver]()
     if options.solver in FIXED_STEP:
         controller, dt0 = diffrax.ConstantStepSize(), options.dt
     else:
-        controller, dt0 = _FiniteErrorPID(rtol=rtol, atol=atol), None
+        norm = {} if layer_mask is None else {"norm": _MaskedRMS(layer_mask)}
+        controller, dt0 = _FiniteErrorPID(rtol=rtol, atol=atol, **norm), None
 
-    loss0, g0 = loss_and_gradient(model, problem)
+    loss0, g0 = _loss_and_gradient(model, problem, layer_mask)
     h0 = _loss_time_scale(loss0, tree_dot(g0, g0))
-    depth = model.depth
+    depth = model.depth if depth is None else depth
     target_scale = jnp.max(jnp.abs(problem.mask * problem.target))
     h_ref = 1.0 / (depth * jnp.maximum(target_scale, 1e-300) ** (2.0 - 2.0 / depth))
     if options.clock == "physical":
@@ -286,10 +360,13 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
     if options.clock == "loss":
         tau_switch = jnp.asarray(jnp.inf, dtype)
 
-    converged = lambda t, y, args, **kw: (
-        remaining_distance_ratio(y["model"], args[0], rtol, atol) <= 1.0
-    )
-    diverged = lambda t, y, args, **kw: _is_diverged(y["model"], args[0], options.divergence_bound)
+    def stop(t, y, args, **kwargs):
+        # Converged or diverged, from one gradient evaluation; `_status` tells which.
+        problem, layer_mask = args[0], args[3]
+        loss, g = _loss_and_gradient(y["model"], problem, layer_mask)
+        ratio = _remaining_ratio(loss, g, y["model"], rtol, atol, layer_mask)
+        return (ratio <= 1.0) | _diverged(loss, g, y["model"], options.divergence_bound)
+
     num_sv = min(problem.shape)
     n_save = options.save
     # Each clock phase gets the full sample budget; samples of a phase that did not run are
@@ -314,10 +391,10 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         t1=tau_switch,
         dt0=dt0,
         y0=y1,
-        args=(problem, 0.0, True),
+        args=(problem, 0.0, True, layer_mask),
         stepsize_controller=controller,
         max_steps=options.max_steps,
-        event=_phase1_event(converged, diverged, reached_t_max, math.isfinite(options.t_max)),
+        event=_phase1_event(stop, reached_t_max, math.isfinite(options.t_max)),
         saveat=_saveat(grid1, summary),
         throw=False,
     )
@@ -342,8 +419,9 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         t_switch,
         t1_local,
         summary,
-        events={"converged": converged, "diverged": diverged},
+        events={"stop": stop},
         max_steps=options.explicit_steps if stiff_phase else options.max_steps,
+        layer_mask=layer_mask,
     )
     status = jnp.where(finished, status1, status2)
     t_end = jnp.where(finished, t_switch, t_switch + _final_time(sol2))
@@ -356,7 +434,7 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
         handover = (~finished) & (status2 == Status.MAX_STEPS)
         t1_stiff = jnp.where(handover, t_max - t_end, 0.0)
         sol3, y3_end, status3, samples3 = _physical_phase(
-            Rodas4(),
+            Rodas4(linear_solver=options.linear_solver, step_tolerance=(rtol, atol)),
             y_end,
             problem,
             options,
@@ -365,8 +443,9 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions) -> FlowR
             t_end,
             t1_stiff,
             summary,
-            events={"converged": converged, "diverged": diverged},
+            events={"stop": stop},
             max_steps=options.max_steps,
+            layer_mask=layer_mask,
         )
         if samples3:
             samples3["t"] = jnp.where(handover, samples3["t"], jnp.inf)
@@ -436,6 +515,7 @@ def _physical_phase(
     summary,
     events,
     max_steps,
+    layer_mask,
 ):
     """Integrate in physical time from local time 0 (absolute time `t_offset`) to `t1_local`.
 
@@ -447,7 +527,7 @@ def _physical_phase(
         grid = jnp.clip(jnp.asarray(options.save_ts, dtype) - t_offset, 0.0, t1_local)
     elif options.save:
         model = y0["model"]
-        loss, g = loss_and_gradient(model, problem)
+        loss, g = _loss_and_gradient(model, problem, layer_mask)
         h = _loss_time_scale(loss, tree_dot(g, g))
         h = jnp.where(h > 0, h, 1.0)
         hi = jnp.where(jnp.isfinite(t1_local), t1_local, h * 1e8)
@@ -462,7 +542,7 @@ def _physical_phase(
         t1=t1_local,
         dt0=dt0,
         y0=y0,
-        args=(problem, t_offset, False),
+        args=(problem, t_offset, False, layer_mask),
         stepsize_controller=controller,
         max_steps=max_steps,
         event=diffrax.Event(events),
@@ -485,13 +565,13 @@ def _physical_phase(
 _CONTINUE = -1
 
 
-def _phase1_event(converged, diverged, reached_t_max, finite_horizon):
+def _phase1_event(stop, reached_t_max, finite_horizon):
     """Stop on convergence or divergence; with a finite horizon, also locate t = t_max exactly
     (t is a state on the loss clock, so this needs a root find)."""
     if not finite_horizon:
-        return diffrax.Event({"converged": converged, "diverged": diverged})
+        return diffrax.Event({"stop": stop})
     return diffrax.Event(
-        {"converged": converged, "diverged": diverged, "t_max": reached_t_max},
+        {"stop": stop, "t_max": reached_t_max},
         root_finder=optx.Newton(rtol=1e-12, atol=1e-12),
     )
 
@@ -526,22 +606,18 @@ def _status(sol, model, problem, options, phase_end_is_t_max):
         nonfinite,
         Status.DIVERGED,
         jnp.where(
-            ev & mask["converged"],
+            ev & mask["stop"],  # not diverged (above), so converged
             Status.CONVERGED,
             jnp.where(
-                ev & mask["diverged"],
-                Status.DIVERGED,
+                ev & mask.get("t_max", False),
+                Status.T_MAX,
                 jnp.where(
-                    ev & mask.get("t_max", False),
-                    Status.T_MAX,
+                    result == diffrax.RESULTS.successful,
+                    Status.T_MAX if phase_end_is_t_max else _CONTINUE,
                     jnp.where(
-                        result == diffrax.RESULTS.successful,
-                        Status.T_MAX if phase_end_is_t_max else _CONTINUE,
-                        jnp.where(
-                            result == diffrax.RESULTS.max_steps_reached,
-                            Status.MAX_STEPS,
-                            Status.FAILED,
-                        ),
+                        result == diffrax.RESULTS.max_steps_reached,
+                        Status.MAX_STEPS,
+                        Status.FAILED,
                     ),
                 ),
             ),
@@ -559,22 +635,29 @@ _COMPILED: dict = {}
 COMPILE_COUNT = {"flow": 0}
 
 
-def _compiled_solver(problem, model, options, in_axes=None, devices=None):
+def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths=None):
     """One compiled program per (options, batching, shapes, devices), cached: a sweep compiles
     once per shape group, and a later call with other shapes cannot silently recompile (the
-    cached executable only accepts its own shapes)."""
+    cached executable only accepts its own shapes). With `depths` (an int array, batched like
+    the model) the program takes it as a third argument: depth-padded models (`pad_depth`)."""
     devices = tuple(devices) if devices is not None and len(devices) > 1 else None
+    args = (problem, model) if depths is None else (problem, model, depths)
+    if depths is not None and in_axes is not None:
+        in_axes = (*in_axes, 0)
     key = (
         options,
         in_axes,
         devices,
-        jax.tree_util.tree_structure((problem, model)),
-        tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves((problem, model))),
+        jax.tree_util.tree_structure(args),
+        tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)),
     )
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit, 0.0
-    fn = lambda p, m: solve(p, m, options)
+    if depths is None:
+        fn = lambda p, m: solve(p, m, options)
+    else:
+        fn = lambda p, m, d: solve(p, m, options, depth=d)
     if in_axes is not None:
         fn = jax.vmap(fn, in_axes=in_axes)
         if devices is not None:
@@ -592,7 +675,7 @@ def _compiled_solver(problem, model, options, in_axes=None, devices=None):
                 check_vma=False,
             )
     start = time.perf_counter()
-    compiled = jax.jit(fn).lower(problem, model).compile()
+    compiled = jax.jit(fn).lower(*args).compile()
     elapsed = time.perf_counter() - start
     COMPILE_COUNT["flow"] += 1
     _COMPILED[key] = compiled
@@ -643,6 +726,17 @@ def flow(
     result = compiled(problem, model)
     jax.block_until_ready(result)
     return result.timed(time.perf_counter() - start, compile_time)
+
+
+def pad_depth(model: Factorization, depth: int) -> Factorization:
+    """`model` with identity layers appended up to `depth` layers: the same product. Pass the
+    true depth to the engine (`solve(..., depth=)`, `SweepSpec(depth_mode="pad")`) to keep the
+    padding frozen."""
+    d = model.widths[-1]
+    if depth < model.depth:
+        raise ValueError(f"cannot pad a depth-{model.depth} model down to depth {depth}")
+    eye = jnp.eye(d, dtype=model.layers[0].dtype)
+    return Factorization(list(model.layers) + [eye] * (depth - model.depth))
 
 
 def stack(items):
