@@ -240,6 +240,18 @@ def cmd_plasticity(args) -> int:
     return 0
 
 
+def _worker(text):
+    if text is None:
+        return None
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UsageError(f"--worker takes K/N (e.g. 0/4), got {text!r}") from None
+    if not (n >= 1 and 0 <= k < n):
+        raise UsageError(f"--worker K/N needs 0 <= K < N, got {text!r}")
+    return k, n
+
+
 def cmd_sweep(args) -> int:
     import gflow
 
@@ -251,7 +263,9 @@ def cmd_sweep(args) -> int:
     spec = gflow.load_spec(_existing(args.config))
     out = args.out or os.path.splitext(os.path.basename(args.config))[0] + ".zarr"
     try:
-        ds = gflow.sweep(spec, out, resume=args.resume, progress=not args.quiet)
+        ds = gflow.sweep(
+            spec, out, resume=args.resume, progress=not args.quiet, worker=_worker(args.worker)
+        )
     except FileExistsError as exc:
         raise UsageError(str(exc)) from None
     if args.csv:
@@ -309,6 +323,9 @@ def make_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--resume", action="store_true", help="continue an interrupted store")
     sweep.add_argument("--csv", help="also write a flat table (.csv or .parquet)")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    sweep.add_argument(
+        "--worker", metavar="K/N", help="run chunks K mod N of a store shared by N workers"
+    )
     sweep.add_argument("--example", action="store_true", help="print the example config")
     sweep.set_defaults(func=cmd_sweep)
     rep = sub.add_parser("reproduce", help="regenerate the paper's claims as a report")

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import jax
 import numpy as np
 
-from ._flow import FlowOptions, _compiled_solver, stack
+from ._flow import FlowOptions, _compiled_solver, pad_depth, stack
 from ._init import gaussian, identity_family, orthogonal
 from ._measures import effective_rank_of, family_spectrum, stable_rank_of
 from ._problem import bernoulli, block_diagonal
@@ -44,6 +44,7 @@ DEFAULTS = {
 }
 PROBLEMS = ("diagonal", "block-diagonal", "bernoulli")
 INITS = ("identity", "gaussian", "orthogonal")
+DEPTH_MODES = ("compile", "pad")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class SweepSpec:
       `bernoulli` (dim × dim, density, rank); `init`: `identity`, `gaussian` or `orthogonal`.
     - `options`: `FlowOptions` for every flow; `chunk_size`: flows per batch;
       `top`: singular values stored per flow.
+    - `depth_mode`: `compile` (one program per depth) or `pad` (one program for all depths:
+      every model padded to the largest depth with frozen identity layers; same endpoints,
+      fewer compilations, more work per step). See benchmarks/ for which is faster where.
     """
 
     axes: dict
@@ -67,6 +71,7 @@ class SweepSpec:
     options: FlowOptions = field(default_factory=FlowOptions)
     chunk_size: int = 64
     top: int = 4
+    depth_mode: str = "compile"
 
     def __post_init__(self):
         if not self.axes:
@@ -87,6 +92,8 @@ class SweepSpec:
             raise ValueError(f"unknown problem {self.problem!r}; choose from {PROBLEMS}")
         if self.init not in INITS:
             raise ValueError(f"unknown init {self.init!r}; choose from {INITS}")
+        if self.depth_mode not in DEPTH_MODES:
+            raise ValueError(f"unknown depth_mode {self.depth_mode!r}; choose from {DEPTH_MODES}")
         if not (isinstance(self.chunk_size, int) and self.chunk_size >= 1):
             raise ValueError("chunk_size must be a positive integer")
 
@@ -106,6 +113,10 @@ class SweepSpec:
             base | dict(zip(names, combo, strict=True))
             for combo in itertools.product(*self.axes.values())
         ]
+
+    @property
+    def max_depth(self) -> int:
+        return int(max(self.axes.get("depth", [(DEFAULTS | self.fixed)["depth"]])))
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -137,8 +148,9 @@ def _json_default(o):
     return str(o)
 
 
-def build(point: dict, problem_kind: str, init_kind: str):
-    """The (problem, model) of one grid point."""
+def build(point: dict, problem_kind: str, init_kind: str, pad_to: int | None = None):
+    """The (problem, model) of one grid point; with `pad_to`, the model is padded with
+    identity layers to that depth (`pad_depth`)."""
     key = jax.random.key(int(point["seed"]))
     k_problem, k_init = jax.random.split(key)
     if problem_kind == "diagonal":
@@ -166,6 +178,8 @@ def build(point: dict, problem_kind: str, init_kind: str):
         model = gaussian([d_in] + [d_out] * depth, point["alpha"], k_init)
     else:
         model = orthogonal([d_in] + [d_out] * depth, point["alpha"], k_init)
+    if pad_to is not None:
+        model = pad_depth(model, pad_to)
     return problem, model
 
 
@@ -182,7 +196,8 @@ def execution_order(spec: SweepSpec) -> list[tuple[tuple, list[int]]]:
     points = spec.points()
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(points):
-        key = (p["depth"], p["dim"], p["blocks"], p["block_size"], p["rank"])
+        depth = None if spec.depth_mode == "pad" else p["depth"]
+        key = (depth or 0, p["dim"], p["blocks"], p["block_size"], p["rank"])
         groups.setdefault(key, []).append(i)
     order = []
     for key in sorted(groups):
@@ -203,11 +218,19 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np
     n_dev = len(devices) if devices else 1
     size = -(-spec.chunk_size // n_dev) * n_dev  # every device gets an equal slice
     padded = chosen + [chosen[-1]] * (size - len(chosen))
-    built = [build(p, spec.problem, spec.init) for p in padded]
+    pad_to = spec.max_depth if spec.depth_mode == "pad" else None
+    built = [build(p, spec.problem, spec.init, pad_to) for p in padded]
     problems = stack([b[0] for b in built])
     models = stack([b[1] for b in built])
-    compiled, _ = _compiled_solver(problems, models, spec.options, in_axes=(0, 0), devices=devices)
-    result = compiled(problems, models)
+    args = (problems, models)
+    depths = None
+    if pad_to is not None:
+        depths = np.array([int(p["depth"]) for p in padded], dtype=np.int32)
+        args = (problems, models, depths)
+    compiled, _ = _compiled_solver(
+        problems, models, spec.options, in_axes=(0, 0), devices=devices, depths=depths
+    )
+    result = compiled(*args)
     jax.block_until_ready(result)
     n = len(chosen)
     out = {
@@ -281,25 +304,34 @@ def _template(spec: SweepSpec, order):
 
 
 def _open_or_create(path, spec, order, resume):
+    """Open the store at `path`, or create it: written under a temporary name and renamed into
+    place, so that workers starting together agree on one store (the first rename wins)."""
+    import shutil
+
     import xarray as xr
 
-    if os.path.exists(path):
-        if not resume:
-            raise FileExistsError(f"{path} exists: pass resume=True (--resume) to continue it")
-        ds = xr.open_zarr(path, consolidated=False)
-        if ds.attrs.get("spec") != spec.to_json():
-            raise ValueError(f"{path} holds a different sweep; use another --out path")
-        return ds
-    template = _template(spec, order)
-    encoding = {
-        name: {"chunks": (spec.chunk_size,) + template[name].shape[1:]}
-        for name in template.data_vars
-    }
-    template.to_zarr(path, mode="w", encoding=encoding, compute=True, consolidated=False)
-    return xr.open_zarr(path, consolidated=False)
+    if not os.path.exists(path):
+        template = _template(spec, order)
+        encoding = {
+            name: {"chunks": (spec.chunk_size,) + template[name].shape[1:]}
+            for name in template.data_vars
+        }
+        tmp = f"{os.fspath(path).rstrip(os.sep)}.creating-{os.getpid()}"
+        template.to_zarr(tmp, mode="w", encoding=encoding, compute=True, consolidated=False)
+        try:
+            os.rename(tmp, path)
+            return xr.open_zarr(path, consolidated=False)
+        except OSError:  # another worker created it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    elif not resume:
+        raise FileExistsError(f"{path} exists: pass resume=True (--resume) to continue it")
+    ds = xr.open_zarr(path, consolidated=False)
+    if ds.attrs.get("spec") != spec.to_json():
+        raise ValueError(f"{path} holds a different sweep; use another --out path")
+    return ds
 
 
-def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=None):
+def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=None, worker=None):
     """Run every flow of `spec` and return the results as an `xarray.Dataset` with one
     dimension per axis (see `to_grid`).
 
@@ -307,9 +339,18 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
     `resume=True` continues a store left by an interrupted run, recomputing only unfinished
     chunks. Ctrl-C stops after the chunk in flight is discarded; every finished chunk is kept.
     `devices`: spread each batch over these JAX devices (default: all local devices).
+    `worker=(k, n)`: one of n independent processes (hosts, Slurm array tasks) sharing the
+    store `out`: this one runs the chunks whose index is k mod n (and implies `resume`). Chunks
+    are disjoint zarr regions, so workers never write the same bytes; rerunning a worker after
+    a crash resumes it. The returned dataset holds whatever the store holds when it finishes.
     """
     import xarray as xr
 
+    if worker is not None:
+        k, n = worker
+        if out is None or not (isinstance(n, int) and n >= 1 and 0 <= k < n):
+            raise ValueError("worker=(k, n) needs 0 <= k < n and a shared store `out`")
+        resume = True
     order = execution_order(spec)
     points = spec.points()
     devices = devices if devices is not None else jax.local_devices()
@@ -323,8 +364,9 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
     run_id = os.getpid()
     todo = []
     offset = 0
-    for _, idx in order:
-        if not done[offset : offset + len(idx)].all():
+    for chunk, (_, idx) in enumerate(order):
+        mine = worker is None or chunk % worker[1] == worker[0]
+        if mine and not done[offset : offset + len(idx)].all():
             todo.append((offset, idx))
         offset += len(idx)
     bar = _progress(len(todo), spec.size - sum(len(i) for _, i in todo), spec.size, progress)
@@ -406,7 +448,13 @@ def export_table(ds, path=None):
         frame[f"sigma_{k}"] = sigma[:, k]
     if path is not None:
         if str(path).endswith(".parquet"):
-            frame.to_parquet(path)
+            try:
+                import pyarrow  # noqa: F401
+            except ImportError as err:
+                raise ImportError(
+                    "writing .parquet needs pyarrow: pip install 'gflow[parquet]' (or write .csv)"
+                ) from err
+            frame.to_parquet(path, index=False)
         else:
             frame.to_csv(path, index=False)
     return frame

@@ -63,6 +63,47 @@ def test_one_compilation_per_depth(small_sweep):
     assert compiles <= 2
 
 
+def test_workers_share_one_store(small_sweep, tmp_path):
+    ds, _, _ = small_sweep
+    out = tmp_path / "shared.zarr"
+    chunks = len(gflow._sweep.execution_order(SPEC))
+    first = gflow.sweep(SPEC, out, progress=False, worker=(0, 2))
+    done = first["done"].values
+    assert 0 < done.sum() < done.size  # worker 0 ran only its chunks (k mod 2 == 0)
+    full = gflow.sweep(SPEC, out, progress=False, worker=(1, 2))
+    assert chunks >= 2 and np.all(full["done"].values)
+    np.testing.assert_array_equal(full["sigma"].values, ds["sigma"].values)
+    with pytest.raises(ValueError, match="worker"):
+        gflow.sweep(SPEC, out, worker=(2, 2))
+
+
+def test_depth_padding_gives_the_same_grid_from_one_program(small_sweep):
+    ds, _, _ = small_sweep
+    padded_spec = gflow.SweepSpec(**{**SPEC.__dict__, "depth_mode": "pad"})
+    before = gflow._flow.COMPILE_COUNT["flow"]
+    padded = gflow.sweep(padded_spec, progress=False)
+    assert gflow._flow.COMPILE_COUNT["flow"] - before == 1
+    assert np.all(padded["status"].values == gflow.Status.CONVERGED)
+    sigma, sigma_padded = ds["sigma"].values[..., :3], padded["sigma"].values[..., :3]
+    floor = 1e-14 * sigma[..., :1]  # the SVD's own resolution
+    assert np.all(np.abs(sigma_padded - sigma) <= 1e-10 * sigma + floor)
+    np.testing.assert_allclose(
+        padded["log_sigma_b_layers"].values, ds["log_sigma_b_layers"].values, atol=1e-9
+    )
+    assert np.max(np.abs(padded["num_steps"].values - ds["num_steps"].values)) <= 3
+
+
+def test_pad_depth_keeps_the_product():
+    model = gflow.identity_family(3, 2, 0.5, 4.0)
+    padded = gflow.pad_depth(model, 4)
+    assert padded.depth == 4
+    np.testing.assert_allclose(padded.product(), model.product(), atol=1e-15)
+    with pytest.raises(ValueError, match="cannot pad"):
+        gflow.pad_depth(padded, 3)
+    with pytest.raises(ValueError, match="depth_mode"):
+        gflow.SweepSpec(axes={"alpha": [0.1]}, depth_mode="stack")
+
+
 def test_theory_agreement_in_the_store(small_sweep):
     ds, _, _ = small_sweep
     for depth in (2, 3):
@@ -87,6 +128,11 @@ def test_table_export(small_sweep, tmp_path):
     frame = gflow.export_table(ds, tmp_path / "flat.csv")
     assert len(frame) == 12 and {"depth", "alpha", "m", "sigma_0", "status"} <= set(frame)
     assert (tmp_path / "flat.csv").read_text().startswith("depth,alpha,m")
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    gflow.export_table(ds, tmp_path / "flat.parquet")
+    back = pd.read_parquet(tmp_path / "flat.parquet")
+    assert back.equals(frame)
 
 
 def test_diverging_point_is_a_status_not_an_exception():
