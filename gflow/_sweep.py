@@ -44,7 +44,10 @@ DEFAULTS = {
 }
 PROBLEMS = ("diagonal", "block-diagonal", "bernoulli")
 INITS = ("identity", "gaussian", "orthogonal")
-DEPTH_MODES = ("compile", "pad")
+DEPTH_MODES = ("auto", "compile", "pad")
+# Padding costs ~35 % more per step and saves one compilation (~5–10 s) per extra depth: it
+# pays up to grids of a few thousand flows (see `depth_mode`).
+PAD_MAX_FLOWS = 4096
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,12 @@ class SweepSpec:
       `bernoulli` (dim × dim, density, rank); `init`: `identity`, `gaussian` or `orthogonal`.
     - `options`: `FlowOptions` for every flow; `chunk_size`: flows per batch;
       `top`: singular values stored per flow.
-    - `depth_mode`: `compile` (one program per depth) or `pad` (one program for all depths:
+    - `depth_mode`: `compile` (one program per depth), `pad` (one program for all depths:
       every model padded to the largest depth with frozen identity layers; same endpoints,
-      fewer compilations, more work per step). See benchmarks/ for which is faster where.
+      fewer compilations, more work per step) or `auto` (default): `pad` for grids of up to
+      `PAD_MAX_FLOWS` flows, where compilation dominates, `compile` for larger ones. Measured
+      on a 512-flow grid over 4 depths (d = 8, 2-core CPU): 16.6 s padded vs 36.5 s per-depth
+      including compilation, 7.5 s vs 5.6 s once compiled.
     """
 
     axes: dict
@@ -71,7 +77,7 @@ class SweepSpec:
     options: FlowOptions = field(default_factory=FlowOptions)
     chunk_size: int = 64
     top: int = 4
-    depth_mode: str = "compile"
+    depth_mode: str = "auto"
 
     def __post_init__(self):
         if not self.axes:
@@ -113,6 +119,12 @@ class SweepSpec:
             base | dict(zip(names, combo, strict=True))
             for combo in itertools.product(*self.axes.values())
         ]
+
+    @property
+    def pads_depths(self) -> bool:
+        if self.depth_mode == "auto":
+            return len(self.axes.get("depth", ())) > 1 and self.size <= PAD_MAX_FLOWS
+        return self.depth_mode == "pad"
 
     @property
     def max_depth(self) -> int:
@@ -196,7 +208,7 @@ def execution_order(spec: SweepSpec) -> list[tuple[tuple, list[int]]]:
     points = spec.points()
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(points):
-        depth = None if spec.depth_mode == "pad" else p["depth"]
+        depth = None if spec.pads_depths else p["depth"]
         key = (depth or 0, p["dim"], p["blocks"], p["block_size"], p["rank"])
         groups.setdefault(key, []).append(i)
     order = []
@@ -218,7 +230,7 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np
     n_dev = len(devices) if devices else 1
     size = -(-spec.chunk_size // n_dev) * n_dev  # every device gets an equal slice
     padded = chosen + [chosen[-1]] * (size - len(chosen))
-    pad_to = spec.max_depth if spec.depth_mode == "pad" else None
+    pad_to = spec.max_depth if spec.pads_depths else None
     built = [build(p, spec.problem, spec.init, pad_to) for p in padded]
     problems = stack([b[0] for b in built])
     models = stack([b[1] for b in built])

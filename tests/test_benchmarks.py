@@ -2,7 +2,10 @@
 
 import json
 
+import pytest
+
 from benchmarks.__main__ import main
+from benchmarks.suite import BENCHMARKS
 
 
 def test_quick_benchmarks_write_json_and_plots(tmp_path, capsys):
@@ -14,6 +17,7 @@ def test_quick_benchmarks_write_json_and_plots(tmp_path, capsys):
                 "--only",
                 "rhs_efficiency",
                 "small_alpha_reach",
+                "other_integrators",
                 "--out",
                 str(tmp_path),
             ]
@@ -28,3 +32,20 @@ def test_quick_benchmarks_write_json_and_plots(tmp_path, capsys):
     reach = json.loads((tmp_path / "small_alpha_reach.json").read_text())["result"]["rows"]
     assert all(r["status"] == "converged" for r in reach)
     assert (tmp_path / "small_alpha_reach.png").stat().st_size > 5000
+    other = json.loads((tmp_path / "other_integrators.json").read_text())["result"]
+    assert other["sweep"]["converged"] == other["sweep"]["flows"]
+    assert all(b["wall_s"] > 0 for b in other["baselines"].values())
+
+
+@pytest.mark.slow
+def test_the_whole_quick_suite(tmp_path, capsys):
+    """`python -m benchmarks run --quick` end to end (about 2–3 minutes on 2 cores)."""
+    assert main(["run", "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for name in BENCHMARKS:
+        assert name in out
+        assert json.loads((tmp_path / f"{name}.json").read_text())["result"]
+        assert (tmp_path / f"{name}.png").stat().st_size > 5000
+    tail = json.loads((tmp_path / "stiff_tail.json").read_text())["result"]["8x8"]["rows"]
+    assert tail["gflow auto"]["status"] == "converged"
+    assert tail["tsit5 (explicit only)"]["status"] == "max_steps"
