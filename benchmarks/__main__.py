@@ -81,11 +81,12 @@ def _plot(name, result, path):
         ax.set_title("RHS efficiency")
     elif name == "stiff_tail":
         width = 0.8 / len(result)
+        names = list(dict.fromkeys(n for case in result.values() for n in case["rows"]))
         for k, (size, case) in enumerate(result.items()):
-            names = list(case["rows"])
-            xs = [i + k * width for i in range(len(names))]
+            xs = [names.index(n) + k * width for n in case["rows"]]
             ax.bar(xs, [v["wall_s"] for v in case["rows"].values()], width, label=size)
-            ax.set_xticks(xs, names, rotation=20, fontsize=7)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, fontsize=7)
+        ax.tick_params(axis="x", labelrotation=20)
         ax.set_yscale("log")
         ax.set_ylabel("wall time after compilation (s)")
         ax.set_title("stiff tails: Bernoulli masks, L = 3, Gaussian α = 0.05", fontsize=9)
