@@ -165,6 +165,14 @@ def _loss_and_gradient(model, problem, layer_mask):
     return loss, g
 
 
+def _rms(x, model, layer_mask):
+    """RMS of a θ-shaped flat vector, over trainable parameters only when a mask is given."""
+    if layer_mask is None:
+        return jnp.sqrt(jnp.mean(x**2))
+    weights = _entry_weights(model, layer_mask)
+    return jnp.sqrt(jnp.sum(weights * x**2) / jnp.sum(weights))
+
+
 def _entry_weights(model, layer_mask):
     """1 for every trainable parameter, 0 for a frozen (padding) one, flattened like θ."""
     return jnp.concatenate(
@@ -216,10 +224,7 @@ def _remaining_ratio(loss, g, model, rtol, atol, layer_mask):
     safe = jnp.where(g_norm > 0, g_norm, 1.0)
     delta = jnp.where(g_norm > 0, (2.0 * loss / safe) * (g / safe), 0.0)
     scale = atol + rtol * jnp.abs(_flatten(model))
-    if layer_mask is None:
-        return jnp.sqrt(jnp.mean((delta / scale) ** 2))
-    weights = _entry_weights(model, layer_mask)
-    return jnp.sqrt(jnp.sum(weights * (delta / scale) ** 2) / jnp.sum(weights))
+    return _rms(delta / scale, model, layer_mask)
 
 
 def _is_diverged(model, problem, bound):
@@ -326,17 +331,13 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=No
     theta0 = _flatten(model)
     atol = options.atol
     if atol is None:
-        if layer_mask is None:
-            scale = jnp.sqrt(jnp.mean(theta0**2))
-        else:
-            weights = _entry_weights(model, layer_mask)
-            scale = jnp.sqrt(jnp.sum(weights * theta0**2) / jnp.sum(weights))
-        atol = 1e-2 * rtol * scale
+        atol = 1e-2 * rtol * _rms(theta0, model, layer_mask)
         atol = jnp.where(atol > 0, atol, 1e-2 * rtol)
+    stiff_solver = Rodas4(linear_solver=options.linear_solver, step_tolerance=(rtol, atol))
     if options.solver == "auto":
         solver = diffrax.Tsit5()
     elif options.solver == "rodas4":
-        solver = Rodas4(linear_solver=options.linear_solver, step_tolerance=(rtol, atol))
+        solver = stiff_solver
     else:
         solver = SOLVERS[options.solver]()
     if options.solver in FIXED_STEP:
@@ -434,7 +435,7 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=No
         handover = (~finished) & (status2 == Status.MAX_STEPS)
         t1_stiff = jnp.where(handover, t_max - t_end, 0.0)
         sol3, y3_end, status3, samples3 = _physical_phase(
-            Rodas4(linear_solver=options.linear_solver, step_tolerance=(rtol, atol)),
+            stiff_solver,
             y_end,
             problem,
             options,

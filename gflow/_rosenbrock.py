@@ -150,7 +150,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       a stage, ‖r‖·hγ, is then that fraction of the step's own tolerance (for a positive
       semi-definite Hessian), so no iterations are spent below the integration error.
     - `preconditioner_rank`: rank of a randomized spectral preconditioner for CG (0: none),
-      rebuilt every `preconditioner_refresh` accepted steps and carried in between (the
+      rebuilt every `preconditioner_refresh` step attempts and carried in between (the
       Hessian of a flow's tail changes slowly; a stale preconditioner costs iterations, never
       accuracy).
     """

@@ -207,9 +207,9 @@ def execution_order(spec: SweepSpec) -> list[tuple[tuple, list[int]]]:
     expected flow length and cut into chunks of `chunk_size`."""
     points = spec.points()
     groups: dict[tuple, list[int]] = {}
+    pads = spec.pads_depths  # then every depth shares one program: not part of the key
     for i, p in enumerate(points):
-        depth = None if spec.pads_depths else p["depth"]
-        key = (depth or 0, p["dim"], p["blocks"], p["block_size"], p["rank"])
+        key = (0 if pads else p["depth"], p["dim"], p["blocks"], p["block_size"], p["rank"])
         groups.setdefault(key, []).append(i)
     order = []
     for key in sorted(groups):
@@ -234,15 +234,13 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np
     built = [build(p, spec.problem, spec.init, pad_to) for p in padded]
     problems = stack([b[0] for b in built])
     models = stack([b[1] for b in built])
-    args = (problems, models)
     depths = None
     if pad_to is not None:
         depths = np.array([int(p["depth"]) for p in padded], dtype=np.int32)
-        args = (problems, models, depths)
     compiled, _ = _compiled_solver(
         problems, models, spec.options, in_axes=(0, 0), devices=devices, depths=depths
     )
-    result = compiled(*args)
+    result = compiled(problems, models) if depths is None else compiled(problems, models, depths)
     jax.block_until_ready(result)
     n = len(chosen)
     out = {
