@@ -251,9 +251,13 @@ def other_integrators(quick: bool) -> dict:
 
 def _torchdiffeq(problem, init, t_end, inits, t_ends, rtol, atol, quick):
     """torchdiffeq dopri5 on the same flows: one flow (best of 1 thread and all threads), and
-    the sweep two ways a user would write it: a loop of single solves (timed on a sample of
-    the flows, scaled to all) and one batched solve of every flow stacked into one state (one
-    shared step size, run to the longest flow's end time). The faster of the two counts."""
+    the sweep the ways a user would write it: a loop of single solves (timed on a sample of
+    the flows, scaled to all), and one batched solve of every flow stacked into one state (one
+    shared step size, run to the longest flow's end time). A batched solve's default error
+    norm is one RMS over *all* flows, so a single flow may exceed the tolerance by up to
+    √(flows); it is timed that way and with every flow held to the tolerance (the worst flow's
+    RMS as the norm, as gflow's sweep holds each flow). The faster of the loop and the
+    equal-tolerance batch counts."""
     import torch
     from torchdiffeq import odeint
 
@@ -271,10 +275,16 @@ def _torchdiffeq(problem, init, t_end, inits, t_ends, rtol, atol, quick):
             (g,) = torch.autograd.grad(loss, ws)
         return -g
 
-    def solve(y0, t1):
+    def solve(y0, t1, options=None):
         start = time.perf_counter()
-        odeint(f, y0, torch.tensor([0.0, t1]), method="dopri5", rtol=rtol, atol=atol)
+        odeint(
+            f, y0, torch.tensor([0.0, t1]), method="dopri5", rtol=rtol, atol=atol, options=options
+        )
         return time.perf_counter() - start
+
+    def worst_member(scaled_error):
+        # Per-flow RMS of the scaled error, worst flow: every member held to rtol/atol.
+        return scaled_error.reshape(scaled_error.shape[0], -1).pow(2).mean(1).sqrt().max()
 
     def layers(model):
         return torch.tensor(np.stack([np.asarray(w) for w in model.layers]))
@@ -288,7 +298,9 @@ def _torchdiffeq(problem, init, t_end, inits, t_ends, rtol, atol, quick):
     sample = 4 if quick else 16
     loop_sample = sum(solve(layers(inits[i]), float(t_ends[i])) for i in range(sample))
     loop_estimate = loop_sample / sample * len(inits)
-    batched = solve(torch.stack([layers(m) for m in inits]), float(np.max(t_ends)))
+    stacked = torch.stack([layers(m) for m in inits])
+    batched = solve(stacked, float(np.max(t_ends)))
+    batched_per_flow = solve(stacked, float(np.max(t_ends)), {"norm": worst_member})
     return {
         "wall_s": min(by_threads.values()),
         "wall_s_by_threads": by_threads,
@@ -296,7 +308,9 @@ def _torchdiffeq(problem, init, t_end, inits, t_ends, rtol, atol, quick):
         "sweep_loop_estimated_s": loop_estimate,
         "sweep_loop_sample": sample,
         "sweep_batched_s": batched,
-        "sweep_best_s": min(loop_estimate, batched),
+        "sweep_batched_per_flow_tolerance_s": batched_per_flow,
+        # At equal tolerance: the loop, or the batch with every flow held to the tolerance.
+        "sweep_best_s": min(loop_estimate, batched_per_flow),
     }
 
 

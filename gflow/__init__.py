@@ -14,6 +14,7 @@ from ._init import identity_family as identity_family
 from ._init import load_init as load_init
 from ._init import orthogonal as orthogonal
 from ._model import Factorization as Factorization
+from ._model import loss_hessian as loss_hessian
 from ._problem import Problem as Problem
 from ._problem import bernoulli as bernoulli
 from ._problem import block_diagonal as block_diagonal

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optimistix as optx
 
-from ._model import Factorization, loss_and_gradient, tree_dot
+from ._model import Factorization, loss_and_gradient, loss_hessian, tree_dot
 from ._problem import Problem
 from ._result import FlowResult, Status, Trajectory
 from ._rosenbrock import Rodas4
@@ -75,7 +75,7 @@ class FlowOptions:
       On the loss clock samples are evenly spaced in log(loss); in physical time they are
       log-spaced from 1e-3 to 1e8 loss time-scales (or up to `t_max`).
     - `certificates`: carry the energy integral ∫‖∇loss‖² dt as an extra state.
-    - `linear_solver`: how `rodas4` solves its linear systems: `auto` (dense LU up to 2,000
+    - `linear_solver`: how `rodas4` solves its linear systems: `auto` (dense Cholesky up to 2,000
       parameters, else matrix-free CG on Hessian-vector products), `dense` or `cg`.
     - `divergence_bound`: |θ_i| above this counts as diverged.
     - `dt`: the fixed step of `solver="euler"` (explicit Euler is gradient descent with
@@ -187,6 +187,17 @@ def _physical_field(t, y, args):
     if "energy" in y:
         dy["energy"] = tree_dot(g, g)
     return dy
+
+
+def _physical_jacobian(t, y, args):
+    """−∇²loss of `_physical_field`, closed form. With a layer mask the frozen rows and columns
+    are zero: exact for the stage systems, whose frozen components are always zero."""
+    problem, layer_mask = args[0], args[3]
+    hessian = loss_hessian(y["model"], problem)
+    if layer_mask is not None:
+        weights = _entry_weights(y["model"], layer_mask)
+        hessian = weights[:, None] * hessian * weights[None, :]
+    return -hessian
 
 
 def _loss_clock_field(tau, y, args):
@@ -333,13 +344,24 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=No
     if atol is None:
         atol = 1e-2 * rtol * _rms(theta0, model, layer_mask)
         atol = jnp.where(atol > 0, atol, 1e-2 * rtol)
-    stiff_solver = Rodas4(linear_solver=options.linear_solver, step_tolerance=(rtol, atol))
+    # In physical time the Jacobian is −∇²loss (symmetric); the energy integral is passive.
+    stiff_solver = Rodas4(
+        linear_solver=options.linear_solver,
+        step_tolerance=(rtol, atol),
+        symmetric=True,
+        passive=("energy",),
+        jacobian=_physical_jacobian,
+    )
     if options.solver == "auto":
         solver = diffrax.Tsit5()
     elif options.solver == "rodas4":
         solver = stiff_solver
     else:
         solver = SOLVERS[options.solver]()
+    loss_clock_solver = solver
+    if options.solver == "rodas4":
+        # On the loss clock the rates are scaled by 2·loss/‖∇loss‖²: not symmetric.
+        loss_clock_solver = Rodas4(linear_solver="dense", step_tolerance=(rtol, atol))
     if options.solver in FIXED_STEP:
         controller, dt0 = diffrax.ConstantStepSize(), options.dt
     else:
@@ -387,7 +409,7 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=No
         grid1 = tau_end_for_grid * jnp.linspace(0, 1, n1)
     sol1 = diffrax.diffeqsolve(
         diffrax.ODETerm(_loss_clock_field),
-        solver,
+        loss_clock_solver,
         t0=0.0,
         t1=tau_switch,
         dt0=dt0,

@@ -70,6 +70,46 @@ def loss_and_gradient(model: Factorization, problem: Problem):
     return jax.value_and_grad(lambda f: f.loss(problem))(model)
 
 
+def loss_hessian(model: Factorization, problem: Problem) -> Float[Array, "P P"]:
+    """The exact Hessian ∇²loss(θ), θ the layers flattened in order (each row-major, as
+    `jax.flatten_util.ravel_pytree` orders them), in closed form: cheaper than P
+    Hessian-vector products. With S_l = W_L⋯W_{l+1}, P_l = W_{l-1}⋯W_1, R = M∘(X − X*):
+
+    - Gauss–Newton blocks: ∂X_ij/∂(W_l)_ab = (S_l)_ia (P_l)_bj, weighted by the mask;
+    - residual blocks (k > l): ⟨R, S_k dW_k (W_{k-1}⋯W_{l+1}) dW_l P_l⟩, i.e.
+      (S_kᵀ R P_lᵀ)_ae (W_{k-1}⋯W_{l+1})_bc for the entries (W_k)_ab, (W_l)_ce.
+    """
+    ws = model.layers
+    depth = len(ws)
+    mask = problem.mask.astype(ws[0].dtype)
+    residual = problem.residual(model.product())
+    prefix = [jnp.eye(ws[0].shape[1], dtype=ws[0].dtype)]
+    for w in ws[:-1]:
+        prefix.append(w @ prefix[-1])
+    suffix = [jnp.eye(ws[-1].shape[0], dtype=ws[0].dtype)]
+    for w in reversed(ws[1:]):
+        suffix.insert(0, suffix[0] @ w)
+    blocks = [[None] * depth for _ in range(depth)]
+    for k in range(depth):
+        between = jnp.eye(ws[k].shape[1], dtype=ws[0].dtype)  # W_{k-1}⋯W_{l+1}, for l = k−1
+        for l in range(k, -1, -1):
+            if l < k - 1:
+                between = between @ ws[l + 1]
+            # Σ_i (S_k)_ia (S_l)_ic Σ_j M_ij (P_k)_bj (P_l)_ej, as one matrix product over i.
+            pp = (mask[:, None, :] * prefix[k][None]) @ prefix[l].T
+            ss = suffix[k][:, :, None] * suffix[l][:, None, :]
+            shape = (ss.shape[1], ss.shape[2], pp.shape[1], pp.shape[2])
+            gn = ss.reshape(ss.shape[0], -1).T @ pp.reshape(pp.shape[0], -1)
+            block = gn.reshape(shape).transpose(0, 2, 1, 3)
+            if l < k:
+                g = suffix[k].T @ residual @ prefix[l].T
+                block = block + jnp.einsum("ae,bc->abce", g, between)
+            block = block.reshape(ws[k].size, ws[l].size)
+            blocks[k][l] = block
+            blocks[l][k] = block.T
+    return jnp.block(blocks)
+
+
 def tree_dot(a, b) -> Float[Array, ""]:
     leaves = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x, y: jnp.sum(x * y), a, b))
     return sum(leaves)

@@ -4,7 +4,7 @@ diffrax solver, for the stiff tail of a gradient flow.
 A Rosenbrock method replaces the Newton iterations of an implicit Runge–Kutta method by one
 linear system per stage, all with the same matrix (I/(hγ) − J), so a step never fails for lack
 of nonlinear convergence. For a gradient flow J = −∇²loss is symmetric, and the systems are
-solved either densely (LU of the P×P matrix, P = number of parameters) or matrix-free with
+solved either densely (Cholesky of the P×P matrix, P = number of parameters) or matrix-free with
 conjugate gradients on Hessian-vector products (`jax.linearize` of the vector field), which needs
 no P×P matrix at all.
 
@@ -140,9 +140,19 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     """Rosenbrock RODAS4 for autonomous systems y' = f(y), with dense or matrix-free (CG)
     linear algebra.
 
-    - `linear_solver`: `"dense"` (LU of the P×P matrix, best for P ≲ 2000), `"cg"`
-      (conjugate gradients on Jacobian-vector products; needs a symmetric Jacobian, as for a
-      gradient flow), or `"auto"` (dense up to `dense_max` unknowns).
+    - `symmetric`: the Jacobian is symmetric (a gradient flow: J = −∇²loss), apart from the
+      `passive` entries. Then the dense path factorises (I/(hγ) − J) by Cholesky, about twice
+      as fast as LU; a factorisation that fails (a saddle's negative curvature with hγ|λ| ≥ 1)
+      rejects the step and the controller retries a smaller one. A non-symmetric system always
+      takes the dense LU path.
+    - `passive`: names of top-level dict entries of y (e.g. an energy integral) whose rates
+      depend on the other entries only and which feed nothing back. Their rows of the stage
+      systems are solved by substitution, so they do not spoil the symmetry of the rest.
+    - `jacobian`: optional (t, y, args) ↦ the dense Jacobian of the active entries' rates with
+      respect to the active entries (flattened as `ravel_pytree` orders them), used by the
+      dense path in place of P Jacobian-vector products (e.g. a closed-form Hessian).
+    - `linear_solver`: `"dense"` (best for P ≲ 2000 unknowns), `"cg"` (conjugate gradients on
+      Jacobian-vector products; needs `symmetric`), or `"auto"` (dense up to `dense_max`).
     - `cg_rtol`, `cg_max_iters`: CG stopping rule. A CG solve that does not converge (or meets
       negative curvature) makes the step fail, and the controller retries a smaller one.
     - `step_tolerance`: the step controller's `(rtol, atol)`. With it CG also stops once its
@@ -160,6 +170,9 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         diffrax.LocalLinearInterpolation
     )
     linear_solver: str = "auto"
+    symmetric: bool = False
+    passive: tuple[str, ...] = ()
+    jacobian: Callable | None = None
     dense_max: int = 2000
     cg_rtol: float = 1e-10
     cg_max_iters: int = 2000
@@ -175,13 +188,21 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         return 4
 
     def _uses_cg(self, size):
-        return self.linear_solver == "cg" or (
-            self.linear_solver == "auto" and size > self.dense_max
+        return self.symmetric and (
+            self.linear_solver == "cg"
+            or (self.linear_solver == "auto" and size > self.dense_max)
         )
+
+    def _split(self, y):
+        """(active, passive) parts of the state; passive is {} when there are none."""
+        if not (self.passive and isinstance(y, dict)):
+            return y, {}
+        active = {k: v for k, v in y.items() if k not in self.passive}
+        return active, {k: v for k, v in y.items() if k in self.passive}
 
     def init(self, terms, t0, t1, y0, args):
         # CG iterations so far (0 when dense), and the carried preconditioner.
-        flat, _ = ravel_pytree(y0)
+        flat, _ = ravel_pytree(self._split(y0)[0])
         state = {"iters": jnp.asarray(0, jnp.int32)}
         size = flat.shape[0]
         if self._uses_cg(size) and self.preconditioner_rank > 0:
@@ -197,23 +218,40 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
 
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
         del made_jump
-        flat0, unravel = ravel_pytree(y0)
+        active0, passive0 = self._split(y0)
+        flat0, unravel = ravel_pytree(active0)
+        _, unravel_passive = ravel_pytree(passive0)
         size = flat0.shape[0]
 
         def f(flat):
-            return ravel_pytree(terms.vf(t0, unravel(flat), args))[0]
+            # Rates of (active, passive) entries; passive values never enter a rate.
+            dy = terms.vf(t0, {**unravel(flat), **passive0} if passive0 else unravel(flat), args)
+            active, passive = self._split(dy)
+            return ravel_pytree(active)[0], ravel_pytree(passive)[0]
 
         h = t1 - t0
         shift = 1.0 / (h * _GAMMA)
-        f0, jvp = jax.linearize(f, flat0)
+        (f0, g0), jvp_both = jax.linearize(f, flat0)
+        jvp = lambda v: jvp_both(v)[0]
         new_state = dict(solver_state)
         if not self._uses_cg(size):
-            jac = jax.vmap(jvp, out_axes=1)(jnp.eye(size, dtype=flat0.dtype))
-            lu = jax.scipy.linalg.lu_factor(shift * jnp.eye(size, dtype=flat0.dtype) - jac)
+            if self.jacobian is None:
+                jac = jax.vmap(jvp, out_axes=1)(jnp.eye(size, dtype=flat0.dtype))
+            else:
+                jac = self.jacobian(t0, y0, args)
+            matrix = shift * jnp.eye(size, dtype=flat0.dtype) - jac
+            if self.symmetric:
+                chol = jnp.linalg.cholesky(matrix)
 
-            def solve(rhs):
-                x = jax.scipy.linalg.lu_solve(lu, rhs)
-                return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0)
+                def solve(rhs):
+                    x = jax.scipy.linalg.cho_solve((chol, True), rhs)
+                    return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0)
+            else:
+                lu = jax.scipy.linalg.lu_factor(matrix)
+
+                def solve(rhs):
+                    x = jax.scipy.linalg.lu_solve(lu, rhs)
+                    return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0)
         else:
             # (I/(hγ) − J) K = rhs with −J = ∇²loss: CG with a spectral preconditioner.
             hvp = lambda v: -jvp(v)
@@ -245,25 +283,29 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                     precondition=precondition,
                 )
 
-        ks = []
+        ks, kps = [], []
         ok = jnp.asarray(True)
         iters = jnp.asarray(0)
         for i in range(1, _STAGES + 1):
             if i == 1:
-                fi = f0
+                fi, gi = f0, g0
             else:
-                yi = flat0 + sum(_A[(i, j)] * ks[j - 1] for j in range(1, i))
-                fi = f(yi)
-            rhs = fi + sum((_C[(i, j)] / h) * ks[j - 1] for j in range(1, i)) if i > 1 else fi
-            k, good, n = solve(rhs)
+                fi, gi = f(flat0 + sum(_A[(i, j)] * ks[j - 1] for j in range(1, i)))
+            memory = lambda kk: sum((_C[(i, j)] / h) * kk[j - 1] for j in range(1, i))
+            k, good, n = solve(fi + memory(ks) if i > 1 else fi)
             ks.append(k)
+            if passive0:
+                # Passive rows: K_p/(hγ) − (∂f_p/∂y_a) K_a = rhs_p.
+                kps.append((gi + (memory(kps) if i > 1 else 0.0) + jvp_both(k)[1]) / shift)
             ok = ok & good
             iters = iters + n
-        flat1 = flat0 + sum(m * k for m, k in zip(_M, ks, strict=True))
-        err = ks[-1]
-        err = jnp.where(ok, err, jnp.inf)
-        y1 = unravel(flat1)
-        y_error = unravel(err)
+        combine = lambda kk: sum(m * k for m, k in zip(_M, kk, strict=True))
+        y1 = unravel(flat0 + combine(ks))
+        y_error = unravel(jnp.where(ok, ks[-1], jnp.inf))
+        if passive0:
+            p1 = unravel_passive(ravel_pytree(passive0)[0] + combine(kps))
+            y1 = {**y1, **p1}
+            y_error = {**y_error, **unravel_passive(jnp.where(ok, kps[-1], jnp.inf))}
         dense_info = dict(y0=y0, y1=y1)
         result = diffrax.RESULTS.successful
         new_state["iters"] = solver_state["iters"] + iters.astype(jnp.int32)

@@ -1,25 +1,48 @@
 """The stiff tail: Rodas4 (dense and matrix-free) against known solutions and the explicit path."""
 
 import diffrax
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.flatten_util import ravel_pytree
 
 import gflow
 from gflow._rosenbrock import Rodas4
 
 
-@pytest.mark.parametrize("linear_solver", ["dense", "cg"])
-def test_rodas4_on_a_stiff_linear_system(linear_solver):
-    """y' = −A y with eigenvalues 1e-3 … 1e4: exact solution Q e^{−Λt} Qᵀ y0."""
+# (linear_solver, symmetric): dense LU, dense Cholesky, matrix-free CG.
+LINEAR_ALGEBRA = [("dense", False), ("dense", True), ("cg", True)]
+
+
+def _stiff_linear_system(negative=None):
+    """y' = −A y, A = Q diag(λ) Qᵀ with λ = 1e-3 … 1e4 (optionally one λ < 0), and a y0 with
+    no component along the negative direction."""
     rng = np.random.default_rng(0)
     q, _ = np.linalg.qr(rng.normal(size=(20, 20)))
     lam = np.geomspace(1e-3, 1e4, 20)
+    if negative is not None:
+        lam[0] = negative
+    c = rng.normal(size=20)
+    if negative is not None:
+        c[0] = 0.0
+    return q, lam, c
+
+
+@pytest.mark.parametrize("linear_solver,symmetric", LINEAR_ALGEBRA)
+def test_rodas4_on_a_stiff_linear_system(linear_solver, symmetric):
+    """y' = −A y with eigenvalues 1e-3 … 1e4: exact solution Q e^{−Λt} Qᵀ y0; and a passive
+    energy e' = ‖Ay‖², exact Σ c_i² λ_i (1 − e^{−2λ_i t})/2."""
+    q, lam, c = _stiff_linear_system()
     a = jnp.asarray(q @ np.diag(lam) @ q.T)
-    y0 = jnp.asarray(rng.normal(size=20))
+    y0 = {"y": jnp.asarray(q @ c), "energy": jnp.asarray(0.0)}
+
+    def field(t, y, args):
+        return {"y": -a @ y["y"], "energy": jnp.sum((a @ y["y"]) ** 2)}
+
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(lambda t, y, args: -a @ y),
-        Rodas4(linear_solver=linear_solver),
+        diffrax.ODETerm(field),
+        Rodas4(linear_solver=linear_solver, symmetric=symmetric, passive=("energy",)),
         0.0,
         1.0,
         None,
@@ -28,10 +51,45 @@ def test_rodas4_on_a_stiff_linear_system(linear_solver):
         saveat=diffrax.SaveAt(t1=True, solver_state=True),
         max_steps=10_000,
     )
-    exact = q @ (np.exp(-lam) * (q.T @ np.asarray(y0)))
-    np.testing.assert_allclose(np.asarray(sol.ys[-1]), exact, atol=1e-8)
+    exact = q @ (np.exp(-lam) * c)
+    np.testing.assert_allclose(np.asarray(sol.ys["y"][-1]), exact, atol=1e-8)
+    energy = np.sum(c**2 * lam * (1 - np.exp(-2 * lam)) / 2)
+    np.testing.assert_allclose(float(sol.ys["energy"][-1]), energy, rtol=1e-7)
     iters = int(sol.solver_state["iters"])
     assert (iters > 0) == (linear_solver == "cg")
+
+
+def test_rodas4_cholesky_rejects_steps_past_negative_curvature():
+    """With a negative eigenvalue λ, (I/(hγ) + A) is indefinite once hγ|λ| ≥ 1: the Cholesky
+    factorisation fails, the step is rejected, and the decaying modes stay exact."""
+    q, lam, c = _stiff_linear_system(negative=-1e-2)
+    a = jnp.asarray(q @ np.diag(lam) @ q.T)
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, args: -a @ y),
+        Rodas4(linear_solver="dense", symmetric=True),
+        0.0,
+        2000.0,
+        None,
+        jnp.asarray(q @ c),
+        stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-10),
+        max_steps=10_000,
+    )
+    assert int(sol.stats["num_rejected_steps"]) > 0
+    # The unstable direction amplifies any error by e^{20}; the others must stay exact.
+    stable = q[:, 1:].T @ np.asarray(sol.ys[-1])
+    np.testing.assert_allclose(stable, np.exp(-lam[1:] * 2000.0) * c[1:], atol=1e-8)
+
+
+@pytest.mark.parametrize("widths", [[5, 4, 6], [4, 3, 5, 2, 6]], ids=["L2", "L4"])
+def test_closed_form_hessian_equals_autodiff(widths):
+    problem = gflow.bernoulli(widths[-1], widths[0], 0.5, 1, key=0)
+    problem = gflow.Problem(problem.target + 0.3, problem.mask)  # residual ≠ 0
+    model = gflow.gaussian(widths, 0.7, key=1)
+    flat, unravel = ravel_pytree(model)
+    reference = jax.jit(jax.hessian(lambda theta: unravel(theta).loss(problem)))(flat)
+    hessian = jax.jit(gflow.loss_hessian)(model, problem)
+    scale = float(jnp.max(jnp.abs(reference)))
+    np.testing.assert_allclose(np.asarray(hessian), np.asarray(reference), atol=1e-13 * scale)
 
 
 def test_rodas4_is_fourth_order():
@@ -57,9 +115,12 @@ def test_auto_strategy_finishes_a_stiff_tail_that_stalls_tsit5():
     init = gflow.gaussian([8] * 4, 0.05, key=1)
     explicit = gflow.flow(problem, init, solver="tsit5", max_steps=20_000)
     assert explicit.status_label == "max_steps"
-    auto = gflow.flow(problem, init)
+    auto = gflow.flow(problem, init, certificates=True)
     assert auto.status_label == "converged"
+    assert int(auto.num_rhs_evals) == -1  # the Rosenbrock phase ran
     assert float(auto.loss) <= 1e-20 * float(auto.loss_init)
+    # The energy integral rides along as a passive state through both phases.
+    assert gflow.energy_residual(auto) <= 1e-9
     reference = gflow.flow(problem, init, solver="rodas4", rtol=1e-12)
     assert reference.status_label == "converged"
     err = gflow.endpoint_distance(auto, reference, problem)
@@ -67,6 +128,17 @@ def test_auto_strategy_finishes_a_stiff_tail_that_stalls_tsit5():
     top = int(np.sum(s >= 1e-5 * s[0]))
     assert gflow.endpoint_distance(auto, reference, problem, top=top)["singular_values"] <= 1e-6
     assert err["unobserved"] <= 1e-6
+
+    # Depth padding through the stiff tail: frozen identity layers leave the flow unchanged.
+    options = gflow.FlowOptions(certificates=True)
+    padded = jax.jit(lambda p, m: gflow.solve(p, m, options, depth=3))(
+        problem, gflow.pad_depth(init, 4)
+    )
+    assert padded.status_label == "converged"
+    assert abs(int(padded.num_steps) - int(auto.num_steps)) <= 3
+    np.testing.assert_allclose(
+        np.asarray(padded.model.product()), np.asarray(auto.model.product()), atol=1e-9
+    )
 
 
 # Random-mask flows against diffrax's Kvaerno5 (dense Jacobian) at rtol 1e-11: an independent
