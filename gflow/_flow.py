@@ -448,50 +448,58 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=No
     )
     status = jnp.where(finished, status1, status2)
     t_end = jnp.where(finished, t_switch, t_switch + _final_time(sol2))
-    sols = [sol1, sol2]
     samples = [samples2]
 
     # Phase 3 ("auto" only): the explicit solver spent its budget, so the tail is stiff:
     # continue with the Rosenbrock method from where it stopped.
+    stats = [_step_stats(sol1), _step_stats(sol2)]
     if stiff_phase:
         handover = (~finished) & (status2 == Status.MAX_STEPS)
-        t1_stiff = jnp.where(handover, t_max - t_end, 0.0)
-        sol3, y3_end, status3, samples3 = _physical_phase(
-            stiff_solver,
-            y_end,
-            problem,
-            options,
-            controller,
-            None,
-            t_end,
-            t1_stiff,
-            summary,
-            events={"stop": stop},
-            max_steps=options.max_steps,
-            layer_mask=layer_mask,
+
+        def stiff_tail():
+            sol3, y3_end, status3, samples3 = _physical_phase(
+                stiff_solver,
+                y_end,
+                problem,
+                options,
+                controller,
+                None,
+                t_end,
+                t_max - t_end,
+                summary,
+                events={"stop": stop},
+                max_steps=options.max_steps,
+                layer_mask=layer_mask,
+            )
+            return y3_end, status3, samples3, _final_time(sol3), _step_stats(sol3)
+
+        # A real branch for a single flow: a flow the explicit phase finished never pays for
+        # the stiff phase's set-up. (Under vmap both branches run, masked.)
+        y3_end, status3, samples3, t3, stats3 = jax.lax.cond(
+            handover, stiff_tail, lambda: _zeros_like_output(stiff_tail)
         )
         if samples3:
             samples3["t"] = jnp.where(handover, samples3["t"], jnp.inf)
         y_end = jax.tree_util.tree_map(lambda a, b: jnp.where(handover, b, a), y_end, y3_end)
         status = jnp.where(handover, status3, status)
-        t_end = jnp.where(handover, t_end + _final_time(sol3), t_end)
-        sols.append(sol3)
+        t_end = jnp.where(handover, t_end + t3, t_end)
+        stats.append(stats3)
         samples.append(samples3)
-        linear_iters = jnp.where(handover, sol3.solver_state["iters"], 0)
+        linear_iters = jnp.where(handover, stats3["iters"], 0)
     elif isinstance(solver, Rodas4):
-        linear_iters = sol2.solver_state["iters"]
+        linear_iters = stats[1]["iters"]
     else:
         linear_iters = jnp.asarray(0, jnp.int32)
 
     # RHS evaluations: known per step for explicit tableaus (+1 per step for the stopping
     # rule, +2 per phase for the initial step size); -1 when an implicit phase ran.
-    steps = sum(s.stats["num_steps"] for s in sols)
+    steps = sum(s["num_steps"] for s in stats)
     per_step = _rhs_evals_per_step(solver)
     if per_step > 0 and not stiff_phase:
         rhs = steps * (per_step + 1) + 4
     elif per_step > 0:
-        explicit = sol1.stats["num_steps"] + sol2.stats["num_steps"]
-        rhs = jnp.where(sol3.stats["num_steps"] > 0, -1, explicit * (per_step + 1) + 4)
+        explicit = stats[0]["num_steps"] + stats[1]["num_steps"]
+        rhs = jnp.where(stats[2]["num_steps"] > 0, -1, explicit * (per_step + 1) + 4)
     else:
         rhs = -jnp.ones_like(steps)
 
@@ -517,8 +525,8 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=No
         loss=loss_end,
         loss_init=loss0,
         num_steps=steps,
-        num_accepted_steps=sum(s.stats["num_accepted_steps"] for s in sols),
-        num_rejected_steps=sum(s.stats["num_rejected_steps"] for s in sols),
+        num_accepted_steps=sum(s["num_accepted_steps"] for s in stats),
+        num_rejected_steps=sum(s["num_rejected_steps"] for s in stats),
         num_rhs_evals=rhs,
         num_linear_iters=linear_iters,
         energy=energy,
@@ -608,6 +616,20 @@ def _saveat(grid, summary):
         subs=[diffrax.SubSaveAt(t1=True), diffrax.SubSaveAt(ts=grid, fn=summary)],
         solver_state=True,
     )
+
+
+def _step_stats(sol):
+    """Step counts of one phase, and its linear-solve iterations (0 unless `Rodas4`)."""
+    keys = ("num_steps", "num_accepted_steps", "num_rejected_steps")
+    out = {k: sol.stats[k] for k in keys}
+    state = sol.solver_state
+    out["iters"] = state["iters"] if isinstance(state, dict) else jnp.asarray(0, jnp.int32)
+    return out
+
+
+def _zeros_like_output(fn):
+    shapes = jax.eval_shape(fn)
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def _final_time(sol):
