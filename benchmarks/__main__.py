@@ -139,12 +139,17 @@ def _summary(name, r):
         return "; ".join(parts)
     if name == "sweep_throughput":
         best = max(r["rows"], key=lambda x: x["flows_per_s"])
-        return (
+        text = (
             f"{best['flows_per_s']:.3g} flows/s at batch {best['batch_size']} "
             f"(efficiency {best['batch_efficiency']:.2f}), {best['speedup_vs_loop']:.3g}× "
-            "a Python loop; depths padded/compiled separately = "
-            f"{r['depth_modes']['pad_over_compile']:.3g}× the wall (with compilation)"
+            "a Python loop"
         )
+        if isinstance(r["depth_modes"], dict):
+            text += (
+                "; depths padded/compiled separately = "
+                f"{r['depth_modes']['pad_over_compile']:.3g}× the wall (with compilation)"
+            )
+        return text
     if name == "stiff_tail":
         parts = []
         for size, case in r.items():

@@ -328,12 +328,18 @@ def _summary(save_layers, num_sv):
     return fn
 
 
-def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=None) -> FlowResult:
+def solve(
+    problem: Problem, model: Factorization, options: FlowOptions, depth=None, batch_axis=None
+) -> FlowResult:
     """The flow engine: pure, jittable, vmappable. Use `flow` for validation and timing.
 
     `depth` (may be traced): train only the first `depth` layers; the others must be identity
     matrices, which then stay frozen, so the product is that of a depth-`depth` network. This
-    lets one compiled program (and one batch) hold flows of several depths."""
+    lets one compiled program (and one batch) hold flows of several depths.
+
+    `batch_axis`: under `jax.vmap(..., axis_name=batch_axis)`, the name of that axis: a batch
+    in which no member reaches the stiff phase then skips it (otherwise every member pays for
+    its set-up)."""
     dtype = model.layers[0].dtype
     layer_mask = None
     if depth is not None:
@@ -465,7 +471,7 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=No
                 controller,
                 None,
                 t_end,
-                t_max - t_end,
+                jnp.where(handover, t_max - t_end, 0.0),
                 summary,
                 events={"stop": stop},
                 max_steps=options.max_steps,
@@ -473,10 +479,13 @@ def solve(problem: Problem, model: Factorization, options: FlowOptions, depth=No
             )
             return y3_end, status3, samples3, _final_time(sol3), _step_stats(sol3)
 
-        # A real branch for a single flow: a flow the explicit phase finished never pays for
-        # the stiff phase's set-up. (Under vmap both branches run, masked.)
+        # A real branch: a flow (or a batch) the explicit phase finished never pays for the
+        # stiff phase's set-up. Under vmap the branch needs a predicate shared by the batch.
+        run_stiff = handover
+        if batch_axis is not None:
+            run_stiff = jax.lax.psum(handover.astype(jnp.int32), batch_axis) > 0
         y3_end, status3, samples3, t3, stats3 = jax.lax.cond(
-            handover, stiff_tail, lambda: _zeros_like_output(stiff_tail)
+            run_stiff, stiff_tail, lambda: _zeros_like_output(stiff_tail)
         )
         if samples3:
             samples3["t"] = jnp.where(handover, samples3["t"], jnp.inf)
@@ -699,12 +708,13 @@ def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit, 0.0
+    axis = None if in_axes is None else "flows"
     if depths is None:
-        fn = lambda p, m: solve(p, m, options)
+        fn = lambda p, m: solve(p, m, options, batch_axis=axis)
     else:
-        fn = lambda p, m, d: solve(p, m, options, depth=d)
+        fn = lambda p, m, d: solve(p, m, options, depth=d, batch_axis=axis)
     if in_axes is not None:
-        fn = jax.vmap(fn, in_axes=in_axes)
+        fn = jax.vmap(fn, in_axes=in_axes, axis_name=axis)
         if devices is not None:
             # Each device loops over its own slice of the batch: no per-step synchronisation
             # with the slowest member elsewhere (a sharded `jit` would synchronise every step).
