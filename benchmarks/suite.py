@@ -394,9 +394,7 @@ def _depth_modes() -> dict:
     }
     out = {}
     for mode in ("compile", "pad"):
-        spec = gflow.SweepSpec(
-            axes=axes, fixed={"dim": 8}, chunk_size=64, depth_mode=mode
-        )
+        spec = gflow.SweepSpec(axes=axes, fixed={"dim": 8}, chunk_size=64, depth_mode=mode)
         before = gflow._flow.COMPILE_COUNT["flow"]
         start = time.perf_counter()
         ds = gflow.sweep(spec, progress=False)

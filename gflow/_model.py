@@ -91,22 +91,22 @@ def loss_hessian(model: Factorization, problem: Problem) -> Float[Array, "P P"]:
         suffix.insert(0, suffix[0] @ w)
     blocks = [[None] * depth for _ in range(depth)]
     for k in range(depth):
-        between = jnp.eye(ws[k].shape[1], dtype=ws[0].dtype)  # W_{k-1}⋯W_{l+1}, for l = k−1
-        for l in range(k, -1, -1):
-            if l < k - 1:
-                between = between @ ws[l + 1]
-            # Σ_i (S_k)_ia (S_l)_ic Σ_j M_ij (P_k)_bj (P_l)_ej, as one matrix product over i.
-            pp = (mask[:, None, :] * prefix[k][None]) @ prefix[l].T
-            ss = suffix[k][:, :, None] * suffix[l][:, None, :]
+        between = jnp.eye(ws[k].shape[1], dtype=ws[0].dtype)  # W_{k-1}⋯W_{j+1}, for j = k−1
+        for j in range(k, -1, -1):  # block (k, j): rows W_k, columns W_j
+            if j < k - 1:
+                between = between @ ws[j + 1]
+            # Σ_i (S_k)_ia (S_j)_ic Σ_n M_in (P_k)_bn (P_j)_en, as one matrix product over i.
+            pp = (mask[:, None, :] * prefix[k][None]) @ prefix[j].T
+            ss = suffix[k][:, :, None] * suffix[j][:, None, :]
             shape = (ss.shape[1], ss.shape[2], pp.shape[1], pp.shape[2])
             gn = ss.reshape(ss.shape[0], -1).T @ pp.reshape(pp.shape[0], -1)
             block = gn.reshape(shape).transpose(0, 2, 1, 3)
-            if l < k:
-                g = suffix[k].T @ residual @ prefix[l].T
+            if j < k:
+                g = suffix[k].T @ residual @ prefix[j].T
                 block = block + jnp.einsum("ae,bc->abce", g, between)
-            block = block.reshape(ws[k].size, ws[l].size)
-            blocks[k][l] = block
-            blocks[l][k] = block.T
+            block = block.reshape(ws[k].size, ws[j].size)
+            blocks[k][j] = block
+            blocks[j][k] = block.T
     return jnp.block(blocks)
 
 

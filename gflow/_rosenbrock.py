@@ -189,8 +189,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
 
     def _uses_cg(self, size):
         return self.symmetric and (
-            self.linear_solver == "cg"
-            or (self.linear_solver == "auto" and size > self.dense_max)
+            self.linear_solver == "cg" or (self.linear_solver == "auto" and size > self.dense_max)
         )
 
     def _split(self, y):
@@ -291,7 +290,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                 fi, gi = f0, g0
             else:
                 fi, gi = f(flat0 + sum(_A[(i, j)] * ks[j - 1] for j in range(1, i)))
-            memory = lambda kk: sum((_C[(i, j)] / h) * kk[j - 1] for j in range(1, i))
+            memory = lambda kk, i=i: sum((_C[(i, j)] / h) * kk[j - 1] for j in range(1, i))
             k, good, n = solve(fi + memory(ks) if i > 1 else fi)
             ks.append(k)
             if passive0:

@@ -10,7 +10,6 @@ from jax.flatten_util import ravel_pytree
 import gflow
 from gflow._rosenbrock import Rodas4
 
-
 # (linear_solver, symmetric): dense LU, dense Cholesky, matrix-free CG.
 LINEAR_ALGEBRA = [("dense", False), ("dense", True), ("cg", True)]
 
