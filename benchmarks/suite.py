@@ -216,7 +216,7 @@ def other_integrators(quick: bool) -> dict:
     rtol, atol = 1e-8, 1e-10
     opts = gflow.FlowOptions(rtol=rtol, atol=atol)
     gflow.flow(problem, init, opts)
-    wall, r = _best_of(gflow.flow, problem, init, opts)
+    wall, r = _best_of(gflow.flow, problem, init, opts, repeats=10)
     t_end = float(r.t_end)
     y0 = np.concatenate([np.asarray(w).ravel() for w in init.layers])
     rhs = _numpy_flow_rhs(problem, depth)
