@@ -219,7 +219,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         del made_jump
         active0, passive0 = self._split(y0)
         flat0, unravel = ravel_pytree(active0)
-        _, unravel_passive = ravel_pytree(passive0)
+        passive_flat0, unravel_passive = ravel_pytree(passive0)
         size = flat0.shape[0]
 
         def f(flat):
@@ -240,17 +240,15 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                 jac = self.jacobian(t0, y0, args)
             matrix = shift * jnp.eye(size, dtype=flat0.dtype) - jac
             if self.symmetric:
-                chol = jnp.linalg.cholesky(matrix)
-
-                def solve(rhs):
-                    x = jax.scipy.linalg.cho_solve((chol, True), rhs)
-                    return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0)
+                factor = (jnp.linalg.cholesky(matrix), True)
+                dense_solve = jax.scipy.linalg.cho_solve
             else:
-                lu = jax.scipy.linalg.lu_factor(matrix)
+                factor = jax.scipy.linalg.lu_factor(matrix)
+                dense_solve = jax.scipy.linalg.lu_solve
 
-                def solve(rhs):
-                    x = jax.scipy.linalg.lu_solve(lu, rhs)
-                    return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0)
+            def solve(rhs):
+                x = dense_solve(factor, rhs)
+                return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0)
         else:
             # (I/(hγ) − J) K = rhs with −J = ∇²loss: CG with a spectral preconditioner.
             hvp = lambda v: -jvp(v)
@@ -302,7 +300,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         y1 = unravel(flat0 + combine(ks))
         y_error = unravel(jnp.where(ok, ks[-1], jnp.inf))
         if passive0:
-            p1 = unravel_passive(ravel_pytree(passive0)[0] + combine(kps))
+            p1 = unravel_passive(passive_flat0 + combine(kps))
             y1 = {**y1, **p1}
             y_error = {**y_error, **unravel_passive(jnp.where(ok, kps[-1], jnp.inf))}
         dense_info = dict(y0=y0, y1=y1)
