@@ -41,6 +41,7 @@ from ._model import Factorization, loss_and_gradient, loss_hessian, tree_dot
 from ._problem import Problem
 from ._result import FlowResult, Status, Trajectory
 from ._rosenbrock import Rodas4
+from ._runge_kutta import REACHED_END, STOPPED, integrate
 
 SOLVERS = {
     "tsit5": diffrax.Tsit5,
@@ -51,6 +52,7 @@ SOLVERS = {
     "rodas4": Rodas4,
 }
 FIXED_STEP = ("euler",)
+LEAN_SOLVERS = ("auto", "tsit5", "dopri5")  # FSAL tableaus that `_runge_kutta` runs
 CLOCKS = ("auto", "physical", "loss")
 LINEAR_SOLVERS = ("auto", "dense", "cg")
 
@@ -180,13 +182,17 @@ def _entry_weights(model, layer_mask):
     )
 
 
-def _physical_field(t, y, args):
-    problem, layer_mask = args[0], args[3]
-    _, g = _loss_and_gradient(y["model"], problem, layer_mask)
+def _physical_rates(y, problem, layer_mask):
+    """dy/dt in physical time, with the loss and gradient it came from."""
+    loss, g = _loss_and_gradient(y["model"], problem, layer_mask)
     dy = {"model": jax.tree_util.tree_map(jnp.negative, g)}
     if "energy" in y:
         dy["energy"] = tree_dot(g, g)
-    return dy
+    return dy, loss, g
+
+
+def _physical_field(t, y, args):
+    return _physical_rates(y, args[0], args[3])[0]
 
 
 def _physical_jacobian(t, y, args):
@@ -200,14 +206,18 @@ def _physical_jacobian(t, y, args):
     return -hessian
 
 
-def _loss_clock_field(tau, y, args):
-    problem, layer_mask = args[0], args[3]
+def _loss_clock_rates(y, problem, layer_mask):
+    """dy/dτ on the loss clock (t is a state), with the loss and gradient it came from."""
     loss, g = _loss_and_gradient(y["model"], problem, layer_mask)
     h = _loss_time_scale(loss, tree_dot(g, g))
     dy = {"model": jax.tree_util.tree_map(lambda x: -h * x, g), "t": h}
     if "energy" in y:
         dy["energy"] = 2.0 * loss * (h > 0)
-    return dy
+    return dy, loss, g
+
+
+def _loss_clock_field(tau, y, args):
+    return _loss_clock_rates(y, args[0], args[3])[0]
 
 
 def _safe_norm(x):
@@ -389,12 +399,25 @@ def solve(
     if options.clock == "loss":
         tau_switch = jnp.asarray(jnp.inf, dtype)
 
+    def done(loss, g, model):
+        # Converged or diverged; the phase's status tells which.
+        ratio = _remaining_ratio(loss, g, model, rtol, atol, layer_mask)
+        return (ratio <= 1.0) | _diverged(loss, g, model, options.divergence_bound)
+
     def stop(t, y, args, **kwargs):
-        # Converged or diverged, from one gradient evaluation; `_status` tells which.
-        problem, layer_mask = args[0], args[3]
         loss, g = _loss_and_gradient(y["model"], problem, layer_mask)
-        ratio = _remaining_ratio(loss, g, y["model"], rtol, atol, layer_mask)
-        return (ratio <= 1.0) | _diverged(loss, g, y["model"], options.divergence_bound)
+        return done(loss, g, y["model"])
+
+    lean = _lean_explicit(options)
+    if lean:
+        lean = {
+            "tableau": solver.tableau,
+            "order": solver.order(None),
+            "rtol": rtol,
+            "atol": atol,
+            "norm": controller.norm,
+            "done": done,
+        }
 
     num_sv = min(problem.shape)
     n_save = options.save
@@ -413,22 +436,36 @@ def solve(
     if n1:
         tau_end_for_grid = jnp.where(jnp.isfinite(tau_switch), tau_switch, 30.0)
         grid1 = tau_end_for_grid * jnp.linspace(0, 1, n1)
-    sol1 = diffrax.diffeqsolve(
-        diffrax.ODETerm(_loss_clock_field),
-        loss_clock_solver,
-        t0=0.0,
-        t1=tau_switch,
-        dt0=dt0,
-        y0=y1,
-        args=(problem, 0.0, True, layer_mask),
-        stepsize_controller=controller,
-        max_steps=options.max_steps,
-        event=_phase1_event(stop, reached_t_max, math.isfinite(options.t_max)),
-        saveat=_saveat(grid1, summary),
-        throw=False,
-    )
-    y_mid = _final_state(sol1)
-    status1 = _status(sol1, y_mid["model"], problem, options, phase_end_is_t_max=False)
+    if lean:
+        y_mid, _, status1, stats1, _ = _lean_phase(
+            _loss_clock_rates,
+            y1,
+            tau_switch,
+            problem,
+            options,
+            options.max_steps,
+            layer_mask,
+            lean,
+            end_status=_CONTINUE,
+        )
+    else:
+        sol1 = diffrax.diffeqsolve(
+            diffrax.ODETerm(_loss_clock_field),
+            loss_clock_solver,
+            t0=0.0,
+            t1=tau_switch,
+            dt0=dt0,
+            y0=y1,
+            args=(problem, 0.0, True, layer_mask),
+            stepsize_controller=controller,
+            max_steps=options.max_steps,
+            event=_phase1_event(stop, reached_t_max, math.isfinite(options.t_max)),
+            saveat=_saveat(grid1, summary),
+            throw=False,
+        )
+        y_mid = _final_state(sol1)
+        status1 = _status(sol1, y_mid["model"], problem, options, phase_end_is_t_max=False)
+        stats1 = _step_stats(sol1, loss_clock_solver)
     t_switch = y_mid["t"]
     finished = use_loss_clock & (status1 >= 0)  # phase 1 ended on its own status
 
@@ -438,7 +475,7 @@ def solve(
         y2["energy"] = y_mid["energy"]
     t1_local = jnp.where(finished, 0.0, t_max - t_switch)
     stiff_phase = options.solver == "auto"
-    sol2, y_end, status2, samples2 = _physical_phase(
+    y_end, t2, status2, stats2, samples2 = _physical_phase(
         solver,
         y2,
         problem,
@@ -451,19 +488,20 @@ def solve(
         events={"stop": stop},
         max_steps=options.explicit_steps if stiff_phase else options.max_steps,
         layer_mask=layer_mask,
+        lean=lean,
     )
     status = jnp.where(finished, status1, status2)
-    t_end = jnp.where(finished, t_switch, t_switch + _final_time(sol2))
+    t_end = jnp.where(finished, t_switch, t_switch + t2)
     samples = [samples2]
 
     # Phase 3 ("auto" only): the explicit solver spent its budget, so the tail is stiff:
     # continue with the Rosenbrock method from where it stopped.
-    stats = [_step_stats(sol1), _step_stats(sol2)]
+    stats = [stats1, stats2]
     if stiff_phase:
         handover = (~finished) & (status2 == Status.MAX_STEPS)
 
         def stiff_tail():
-            sol3, y3_end, status3, samples3 = _physical_phase(
+            y3_end, t3, status3, stats3, samples3 = _physical_phase(
                 stiff_solver,
                 y_end,
                 problem,
@@ -477,7 +515,7 @@ def solve(
                 max_steps=options.max_steps,
                 layer_mask=layer_mask,
             )
-            return y3_end, status3, samples3, _final_time(sol3), _step_stats(sol3)
+            return y3_end, status3, samples3, t3, stats3
 
         # A real branch: a flow (or a batch) the explicit phase finished never pays for the
         # stiff phase's set-up. Under vmap the branch needs a predicate shared by the batch.
@@ -500,17 +538,9 @@ def solve(
     else:
         linear_iters = jnp.asarray(0, jnp.int32)
 
-    # RHS evaluations: known per step for explicit tableaus (+1 per step for the stopping
-    # rule, +2 per phase for the initial step size); -1 when an implicit phase ran.
     steps = sum(s["num_steps"] for s in stats)
-    per_step = _rhs_evals_per_step(solver)
-    if per_step > 0 and not stiff_phase:
-        rhs = steps * (per_step + 1) + 4
-    elif per_step > 0:
-        explicit = stats[0]["num_steps"] + stats[1]["num_steps"]
-        rhs = jnp.where(stats[2]["num_steps"] > 0, -1, explicit * (per_step + 1) + 4)
-    else:
-        rhs = -jnp.ones_like(steps)
+    implicit_ran = jnp.any(jnp.stack([s["rhs"] < 0 for s in stats]))
+    rhs = jnp.where(implicit_ran, -1, sum(s["rhs"] for s in stats))
 
     trajectory = None
     if n_save or options.save_ts is not None:
@@ -556,11 +586,25 @@ def _physical_phase(
     events,
     max_steps,
     layer_mask,
+    lean=None,
 ):
     """Integrate in physical time from local time 0 (absolute time `t_offset`) to `t1_local`.
 
-    Returns the solution, the final state, its status and the trajectory samples (a dict, empty
-    when nothing is saved)."""
+    Returns the final state, its local time, its status, the step statistics and the
+    trajectory samples (a dict, empty when nothing is saved). With `lean` (nothing to save)
+    the explicit solver runs in gflow's own loop (`_runge_kutta`)."""
+    if lean:
+        return _lean_phase(
+            _physical_rates,
+            y0,
+            t1_local,
+            problem,
+            options,
+            max_steps,
+            layer_mask,
+            lean,
+            end_status=Status.T_MAX,
+        )
     dtype = t_offset.dtype if hasattr(t_offset, "dtype") else jnp.float64
     grid = None
     if options.save_ts is not None:
@@ -599,7 +643,57 @@ def _physical_phase(
             ts = jnp.asarray(options.save_ts, dtype)
             inside = (ts >= t_offset) & (ts <= t_offset + _final_time(sol))
             samples["t"] = jnp.where(inside, samples["t"], jnp.inf)
-    return sol, y_end, status, samples
+    return y_end, _final_time(sol), status, _step_stats(sol, solver), samples
+
+
+def _lean_explicit(options) -> bool:
+    """Whether the explicit phases can run in gflow's own Runge–Kutta loop: nothing is saved
+    along the way and no finite horizon has to be located on the loss clock."""
+    return (
+        options.solver in LEAN_SOLVERS
+        and not options.save
+        and options.save_ts is None
+        and not math.isfinite(options.t_max)
+    )
+
+
+def _lean_phase(rates, y0, t1, problem, options, max_steps, layer_mask, lean, end_status):
+    """One clock phase in `_runge_kutta.integrate`, reported like a diffrax phase."""
+
+    def field(y):
+        dy, loss, g = rates(y, problem, layer_mask)
+        return dy, lean["done"](loss, g, y["model"])
+
+    run = integrate(
+        field,
+        y0,
+        t1,
+        tableau=lean["tableau"],
+        order=lean["order"],
+        rtol=lean["rtol"],
+        atol=lean["atol"],
+        norm=lean["norm"],
+        max_steps=max_steps,
+    )
+    diverged = _is_diverged(run.y["model"], problem, options.divergence_bound)
+    status = jnp.where(
+        diverged,
+        Status.DIVERGED,
+        jnp.where(
+            run.outcome == STOPPED,
+            Status.CONVERGED,
+            jnp.where(run.outcome == REACHED_END, end_status, Status.MAX_STEPS),
+        ),
+    ).astype(jnp.int32)
+    stats = {
+        "num_steps": run.num_steps,
+        "num_accepted_steps": run.num_accepted_steps,
+        "num_rejected_steps": run.num_rejected_steps,
+        "iters": jnp.asarray(0, jnp.int32),
+        # f(y0) (which also tests y0), then every stage after the first of each step
+        "rhs": 1 + len(lean["tableau"].c) * run.num_steps,
+    }
+    return run.y, run.t, status, stats, {}
 
 
 _CONTINUE = -1
@@ -627,12 +721,19 @@ def _saveat(grid, summary):
     )
 
 
-def _step_stats(sol):
-    """Step counts of one phase, and its linear-solve iterations (0 unless `Rodas4`)."""
+def _step_stats(sol, solver):
+    """Step counts of one phase, its linear-solve iterations (0 unless `Rodas4`) and its
+    vector-field evaluations: known per step for explicit tableaus (+1 per step for the
+    stopping rule; f(y0) and the test at y0); -1 once an implicit solver took a step."""
     keys = ("num_steps", "num_accepted_steps", "num_rejected_steps")
     out = {k: sol.stats[k] for k in keys}
     state = sol.solver_state
     out["iters"] = state["iters"] if isinstance(state, dict) else jnp.asarray(0, jnp.int32)
+    per_step = _rhs_evals_per_step(solver)
+    if per_step > 0:
+        out["rhs"] = out["num_steps"] * (per_step + 1) + 2
+    else:
+        out["rhs"] = jnp.where(out["num_steps"] > 0, -1, 0)
     return out
 
 

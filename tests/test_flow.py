@@ -152,6 +152,26 @@ def test_balancedness_conserved_along_trajectory():
     assert np.all(np.diff(traj.loss) <= 1e-12 * traj.loss[0])
 
 
+def test_lean_loop_takes_the_steps_of_diffeqsolve():
+    """Without saving, the explicit phases run in gflow's own Runge–Kutta loop; with saving, in
+    `diffeqsolve`. Same controller, same first step: the same steps, the same endpoint."""
+    problem = gflow.diagonal(5)
+    init = gflow.gaussian([5, 4, 6, 5], 0.05, key=3)  # "auto": the loss clock, then physical
+    lean = gflow.flow(problem, init, rtol=1e-9, certificates=True)
+    saved = gflow.flow(problem, init, rtol=1e-9, certificates=True, save=2)
+    assert lean.status_label == saved.status_label == "converged"
+    for field in ("num_steps", "num_accepted_steps", "num_rejected_steps"):
+        assert int(getattr(lean, field)) == int(getattr(saved, field)), field
+    assert int(lean.num_rejected_steps) > 0  # the reject path was exercised
+    # diffrax evaluates the stopping test apart (every step, and at the start of both clock
+    # phases); the lean loop reads it off the first-same-as-last stage. No stiff phase ran:
+    assert int(lean.num_rhs_evals) == int(saved.num_rhs_evals) - int(saved.num_steps) - 2
+    for a, b in zip(lean.model.layers, saved.model.layers, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(float(lean.energy), float(saved.energy), rtol=1e-12)
+    assert gflow.energy_residual(lean) <= 1e-8
+
+
 def test_batch_members_are_independent_and_equal_single_runs():
     problem = gflow.diagonal(3)
     inits = [gflow.identity_family(3, 3, a, 4.0) for a in (0.05, 0.2, 1e40)]

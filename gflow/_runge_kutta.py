@@ -1,0 +1,172 @@
+"""A lean adaptive explicit Runge–Kutta loop for autonomous flows that stop on their own test.
+
+diffrax's `diffeqsolve` is general: dense output, saving, events with root finding, adjoints.
+A flow that saves nothing and stops on a boolean test needs none of that, and at small sizes
+diffrax's per-step machinery costs as much as the gradients themselves (d = 20, L = 3: ~45 µs
+of ~95 µs per Tsit5 step). This loop takes the same steps as `diffeqsolve` with diffrax's
+`PIDController` (integral control, the same initial step, the same accept/reject rule), but
+
+- the stopping test reads the last stage of a first-same-as-last tableau, which is the vector
+  field at the accepted point: no extra gradient evaluation per step (diffrax evaluates an
+  event's condition separately);
+- the carry is only (y, its vector field, t, dt, counters, status).
+
+Under `vmap` every member keeps its own t and dt; the loop runs until the slowest member is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# How the loop ended (`Integration.outcome`).
+RUNNING, STOPPED, REACHED_END, MAX_STEPS = 0, 1, 2, 3
+
+
+class Integration(NamedTuple):
+    y: object
+    t: jax.Array
+    outcome: jax.Array  # STOPPED (the test fired at y), REACHED_END (t = t1) or MAX_STEPS
+    num_steps: jax.Array
+    num_accepted_steps: jax.Array
+    num_rejected_steps: jax.Array
+
+
+def _combine(y, coeffs, stages, h):
+    """y + h·Σ coeffs_i·stages_i, skipping zero coefficients."""
+    terms = [(float(c), k) for c, k in zip(coeffs, stages, strict=False) if c != 0.0]
+    if not terms:
+        return y
+    return jax.tree_util.tree_map(
+        lambda y0, *ks: y0 + h * sum(c * k for (c, _), k in zip(terms, ks, strict=True)),
+        y,
+        *[k for _, k in terms],
+    )
+
+
+def _all_finite(tree):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
+
+
+def integrate(
+    field: Callable,
+    y0,
+    t1,
+    *,
+    tableau,
+    order: int,
+    rtol,
+    atol,
+    norm: Callable,
+    max_steps: int,
+    safety: float = 0.9,
+    factormin: float = 0.2,
+    factormax: float = 10.0,
+    first_step: float = 0.01,
+) -> Integration:
+    """Integrate dy/dt = f(y) from t = 0 towards `t1` with an embedded FSAL pair.
+
+    `field(y)` returns `(f(y), done)`: the vector field and whether the flow should stop at `y`
+    (converged or diverged). It is tested at `y0` and at every accepted point. `tableau` is a
+    diffrax `ButcherTableau` with the FSAL property (Tsit5, Dopri5); `order` its order.
+    Steps are controlled like diffrax's `PIDController(rtol, atol, norm=norm)`; a trial step
+    with a non-finite value counts as an infinite error.
+    """
+    if not tableau.fsal:
+        raise ValueError("the lean Runge–Kutta loop needs a first-same-as-last tableau")
+    exponent = 1.0 / order  # diffrax's error order for an ODE: (order − 1) + 1
+    dtype = jnp.result_type(*jax.tree_util.tree_leaves(y0))
+    t1 = jnp.asarray(t1, dtype)
+    f0, done0 = field(y0)
+    # diffrax's first step for an `ODETerm` wrapped as `diffeqsolve` wraps it: its
+    # `_select_initial_step` only recognises a bare `ODETerm`, and otherwise returns 0.01.
+    # Matching it keeps both loops on the same steps.
+    dt0 = jnp.asarray(first_step, dtype)
+
+    # t1 − 100 ulp: a step ending past it ends at t1 (as diffrax does).
+    t1_floor = t1
+    for _ in range(100):
+        t1_floor = jnp.nextafter(t1_floor, jnp.asarray(-jnp.inf, dtype))
+
+    a_rows = [row for row in tableau.a_lower]
+    b_sol, b_err = tableau.b_sol, tableau.b_error
+
+    def step(y, f, h):
+        stages = [f]
+        for row in a_rows[:-1]:
+            k, _ = field(_combine(y, row, stages, h))
+            stages.append(k)
+        y1 = _combine(y, b_sol[:-1], stages, h)  # the FSAL stage's own row equals b_sol
+        f1, done1 = field(y1)
+        stages.append(f1)
+        err = _combine(jax.tree_util.tree_map(jnp.zeros_like, y), b_err, stages, h)
+        return y1, f1, done1, err
+
+    def cond(carry):
+        return carry["outcome"] == RUNNING
+
+    def body(carry):
+        y, f, t, dt = carry["y"], carry["f"], carry["t"], carry["dt"]
+        t_next = jnp.where(t + dt > t1_floor, t1, t + dt)
+        h = t_next - t
+        y1, f1, done1, err = step(y, f, h)
+        finite = _all_finite(y1)
+        scaled = jax.tree_util.tree_map(
+            lambda a, b, e: e / (atol + rtol * jnp.maximum(jnp.abs(a), jnp.abs(b))),
+            y,
+            jax.tree_util.tree_map(lambda a, b: jnp.where(finite, b, a), y, y1),
+            err,
+        )
+        error = norm(scaled)
+        error = jnp.where(finite & jnp.isfinite(error), error, jnp.inf)
+        accept = error < 1.0
+        inv = jnp.where(error > 0, 1.0 / error, jnp.inf)
+        factor = jnp.clip(
+            safety * inv**exponent,
+            jnp.where(accept, 1.0, factormin),
+            jnp.where(accept, factormax, safety),
+        )
+        keep = lambda new, old: jax.tree_util.tree_map(
+            lambda a, b: jnp.where(accept, a, b), new, old
+        )
+        t_new = jnp.where(accept, t_next, t)
+        steps = carry["num_steps"] + 1
+        accepted = carry["num_accepted_steps"] + accept
+        outcome = jnp.where(
+            accept & done1,
+            STOPPED,
+            jnp.where(t_new >= t1, REACHED_END, jnp.where(steps >= max_steps, MAX_STEPS, RUNNING)),
+        )
+        return {
+            "y": keep(y1, y),
+            "f": keep(f1, f),
+            "t": t_new,
+            "dt": (h * factor).astype(dtype),
+            "outcome": outcome.astype(jnp.int32),
+            "num_steps": steps,
+            "num_accepted_steps": accepted,
+        }
+
+    outcome0 = jnp.where(done0, STOPPED, jnp.where(t1 <= 0, REACHED_END, RUNNING))
+    zero = jnp.asarray(0, jnp.int32)
+    carry = {
+        "y": y0,
+        "f": f0,
+        "t": jnp.zeros((), dtype),
+        "dt": dt0,
+        "outcome": outcome0.astype(jnp.int32),
+        "num_steps": zero,
+        "num_accepted_steps": zero,
+    }
+    out = jax.lax.while_loop(cond, body, carry)
+    return Integration(
+        y=out["y"],
+        t=out["t"],
+        outcome=out["outcome"],
+        num_steps=out["num_steps"],
+        num_accepted_steps=out["num_accepted_steps"],
+        num_rejected_steps=out["num_steps"] - out["num_accepted_steps"],
+    )
