@@ -119,6 +119,8 @@ def _summary(name, r):
         return f"SGD/gflow wall (estimated) = {worst:.3g}× … {best:.3g}×"
     if name == "other_integrators":
         parts = [f"{k}/gflow = {v['ratio']:.3g}×" for k, v in r["baselines"].items()]
+        via = r["gflow_via_diffeqsolve"]["ratio"]
+        parts.append(f"gflow through diffeqsolve/gflow's own loop = {via:.3g}×")
         parts.append(
             f"{r['sweep']['flows']}-flow sweep: scipy DOP853/gflow = {r['sweep']['ratio']:.3g}×"
         )

@@ -26,6 +26,7 @@ converged.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ class FlowOptions:
       On the loss clock samples are evenly spaced in log(loss); in physical time they are
       log-spaced from 1e-3 to 1e8 loss time-scales (or up to `t_max`).
     - `certificates`: carry the energy integral ∫‖∇loss‖² dt as an extra state.
-    - `linear_solver`: how `rodas4` solves its linear systems: `auto` (dense Cholesky up to 2,000
+    - `linear_solver`: how `rodas4` solves its linear systems: `auto` (dense Cholesky up to 200
       parameters, else matrix-free CG on Hessian-vector products), `dense` or `cg`.
     - `divergence_bound`: |θ_i| above this counts as diverged.
     - `dt`: the fixed step of `solver="euler"` (explicit Euler is gradient descent with
@@ -220,32 +221,42 @@ def _loss_clock_field(tau, y, args):
     return _loss_clock_rates(y, args[0], args[3])[0]
 
 
-def _safe_norm(x):
-    """‖x‖₂ without overflow or underflow in the squares."""
-    scale = jnp.max(jnp.abs(x))
-    safe = jnp.where(scale > 0, scale, 1.0)
-    return jnp.where(scale > 0, safe * jnp.sqrt(jnp.sum((x / safe) ** 2)), 0.0)
-
-
 def remaining_distance_ratio(
     model: Factorization, problem: Problem, rtol, atol, layer_mask=None
 ) -> jax.Array:
     """RMS of the estimated remaining displacement in units of the tolerance (≤ 1: converged).
 
-    δ = (2·loss/‖∇loss‖²)·∇loss, evaluated as (2·loss/‖g‖)·(g/‖g‖) so that huge gradients
-    cannot overflow into a spurious δ = 0. With a layer mask the RMS runs over trainable
-    parameters only."""
+    δ = (2·loss/‖∇loss‖²)·∇loss. With a layer mask the RMS runs over trainable parameters
+    only."""
     loss, g = _loss_and_gradient(model, problem, layer_mask)
     return _remaining_ratio(loss, g, model, rtol, atol, layer_mask)
 
 
 def _remaining_ratio(loss, g, model, rtol, atol, layer_mask):
-    g = _flatten(g)
-    g_norm = _safe_norm(g)
-    safe = jnp.where(g_norm > 0, g_norm, 1.0)
-    delta = jnp.where(g_norm > 0, (2.0 * loss / safe) * (g / safe), 0.0)
-    scale = atol + rtol * jnp.abs(_flatten(model))
-    return _rms(delta / scale, model, layer_mask)
+    return _convergence(loss, g, model, rtol, atol, layer_mask, jnp.inf)[0]
+
+
+def _convergence(loss, g, model, rtol, atol, layer_mask, bound):
+    """(remaining-distance ratio, diverged) from one loss and gradient, layer by layer.
+
+    With c = max|g| and u = g/c, δ = (2·loss/(c·‖u‖²))·u: 1 ≤ ‖u‖² ≤ P, so huge gradients
+    cannot overflow into a spurious δ = 0, nor tiny ones underflow into a spurious converged.
+    Diverged: a non-finite loss, a gradient whose squared norm overflows, or a parameter that
+    is non-finite or beyond `bound` (max propagates NaN)."""
+    weights = [1.0] * model.depth if layer_mask is None else list(layer_mask)
+    c = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x)) for x in g.layers])
+    safe_c = jnp.where(c > 0, c, 1.0)
+    u_sq, scaled_sq, count = 0.0, 0.0, 0.0
+    for w, gl, x in zip(weights, g.layers, model.layers, strict=True):
+        u = gl / safe_c
+        u_sq = u_sq + jnp.sum(u**2)
+        scaled_sq = scaled_sq + w * jnp.sum((u / (atol + rtol * jnp.abs(x))) ** 2)
+        count = count + w * x.size
+    safe_u_sq = jnp.where(c > 0, u_sq, 1.0)
+    ratio = jnp.where(c > 0, 2.0 * loss / (safe_c * safe_u_sq) * jnp.sqrt(scaled_sq / count), 0.0)
+    theta_max = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x)) for x in model.layers])
+    diverged = ~jnp.isfinite(loss) | ~jnp.isfinite(c * c * u_sq) | ~(theta_max <= bound)
+    return ratio, diverged
 
 
 def _is_diverged(model, problem, bound):
@@ -255,14 +266,7 @@ def _is_diverged(model, problem, bound):
 
 
 def _diverged(loss, g, model, bound):
-    theta = _flatten(model)
-    g_sq = tree_dot(g, g)
-    return (
-        ~jnp.isfinite(loss)
-        | ~jnp.isfinite(g_sq)
-        | ~jnp.all(jnp.isfinite(theta))
-        | (jnp.max(jnp.abs(theta)) > bound)
-    )
+    return _convergence(loss, g, model, 1.0, 1.0, None, bound)[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,8 +405,10 @@ def solve(
 
     def done(loss, g, model):
         # Converged or diverged; the phase's status tells which.
-        ratio = _remaining_ratio(loss, g, model, rtol, atol, layer_mask)
-        return (ratio <= 1.0) | _diverged(loss, g, model, options.divergence_bound)
+        ratio, diverged = _convergence(
+            loss, g, model, rtol, atol, layer_mask, options.divergence_bound
+        )
+        return (ratio <= 1.0) | diverged
 
     def stop(t, y, args, **kwargs):
         loss, g = _loss_and_gradient(y["model"], problem, layer_mask)

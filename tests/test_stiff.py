@@ -171,8 +171,7 @@ def test_batch_with_one_stiff_member_equals_single_flows(stiff_case):
 
 # Random-mask flows against diffrax's Kvaerno5 (dense Jacobian) at rtol 1e-11: an independent
 # stiff integrator, about a minute per case, hence slow. (d, L, α, p) span issue 4's ranges.
-# All take the dense path (P ≤ 2,000). Forcing CG here ("cg") is not a case yet: on (8, 3, 0.05,
-# 0.4) it ran > 10 minutes (saddle directions make CG meet negative curvature; see issue 4).
+# "auto" takes the dense path for the first two (P ≤ 200) and CG for the last two (P = 300, 256).
 KVAERNO_CASES = [
     (8, 2, 0.5, 0.3, "auto"),
     (8, 3, 0.05, 0.4, "auto"),
