@@ -91,7 +91,7 @@ def integrate(
     for _ in range(100):
         t1_floor = jnp.nextafter(t1_floor, jnp.asarray(-jnp.inf, dtype))
 
-    a_rows = [row for row in tableau.a_lower]
+    a_rows = list(tableau.a_lower)
     b_sol, b_err = tableau.b_sol, tableau.b_error
 
     def step(y, f, h):

@@ -152,6 +152,41 @@ def test_balancedness_conserved_along_trajectory():
     assert np.all(np.diff(traj.loss) <= 1e-12 * traj.loss[0])
 
 
+def test_runge_kutta_loop_on_a_linear_system():
+    """gflow's own loop against the exact solution e^{tA}y0, and its three outcomes."""
+    import diffrax
+    import jax.scipy.linalg as jsl
+
+    from gflow._runge_kutta import MAX_STEPS, REACHED_END, STOPPED, integrate
+
+    a = jnp.array([[-1.0, 2.0], [-2.0, -1.0]])  # a decaying rotation
+    y0 = {"y": jnp.array([1.0, 0.5])}
+
+    def run(t1, max_steps, stop_below):
+        field = lambda y: ({"y": a @ y["y"]}, jnp.linalg.norm(y["y"]) < stop_below)
+        return integrate(
+            field,
+            y0,
+            t1,
+            tableau=diffrax.Tsit5.tableau,
+            order=5,
+            rtol=1e-10,
+            atol=1e-12,
+            norm=lambda tree: jnp.sqrt(jnp.mean(tree["y"] ** 2)),
+            max_steps=max_steps,
+        )
+
+    end = run(3.0, 10_000, 0.0)
+    assert int(end.outcome) == REACHED_END and float(end.t) == 3.0
+    exact = jsl.expm(3.0 * a) @ y0["y"]
+    np.testing.assert_allclose(end.y["y"], exact, rtol=0, atol=1e-9)
+    stopped = run(3.0, 10_000, 0.1)  # |y| = e^{-t}|y0|: below 0.1 from t ≈ 2.1
+    assert int(stopped.outcome) == STOPPED and 2.0 < float(stopped.t) < 3.0
+    assert float(jnp.linalg.norm(stopped.y["y"])) < 0.1
+    capped = run(3.0, 5, 0.0)
+    assert int(capped.outcome) == MAX_STEPS and int(capped.num_steps) == 5
+
+
 def test_lean_loop_takes_the_steps_of_diffeqsolve():
     """Without saving, the explicit phases run in gflow's own Runge–Kutta loop; with saving, in
     `diffeqsolve`. Same controller, same first step: the same steps, the same endpoint."""
