@@ -38,8 +38,12 @@ def gaussian(widths: Sequence[int], alpha, key, *, dtype=None) -> Factorization:
     _check_alpha(alpha)
     dtype = dtype or default_dtype()
     keys = jax.random.split(_as_key(key), len(widths) - 1)
+    # The same bits eagerly, jitted and vmapped (a sweep builds its inits vmapped): the scale
+    # is rounded once, and the barrier keeps XLA from fusing (and so re-rounding) the normal
+    # sampler into the product.
     layers = [
-        alpha * jax.random.normal(k, (d_out, d_in), dtype=dtype) / math.sqrt(d_in)
+        jax.lax.optimization_barrier(jax.random.normal(k, (d_out, d_in), dtype=dtype))
+        * (alpha * (1.0 / math.sqrt(d_in)))
         for k, d_in, d_out in zip(keys, widths[:-1], widths[1:], strict=True)
     ]
     return Factorization(layers)

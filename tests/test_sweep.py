@@ -14,6 +14,7 @@ import pytest
 import xarray as xr
 
 import gflow
+from gflow._sweep import build, build_chunk
 
 SPEC = gflow.SweepSpec(
     axes={"depth": [2, 3], "alpha": [0.1, 1e-2, 1e-3], "m": [4.0, math.inf]},
@@ -148,6 +149,40 @@ def test_spec_validation():
         gflow.SweepSpec(axes={"lr": [1]})
     with pytest.raises(ValueError, match="unknown problem"):
         gflow.SweepSpec(axes={"alpha": [1]}, problem="ring")
+    # inits are built traced, where the builders cannot check: the spec checks first
+    with pytest.raises(ValueError, match="alpha must be finite and > 0, got 0.0"):
+        gflow.SweepSpec(axes={"alpha": [0.1, 0.0]})
+    with pytest.raises(ValueError, match="m must be > 1"):
+        gflow.SweepSpec(axes={"seed": [0]}, fixed={"m": 1.0})
+
+
+@pytest.mark.parametrize(
+    "problem, init, fixed",
+    [
+        ("diagonal", "gaussian", {}),
+        ("block-diagonal", "identity", {"noise": 0.1}),
+        ("bernoulli", "orthogonal", {"density": 0.5}),
+    ],
+)
+def test_chunks_build_the_bits_of_single_points(problem, init, fixed):
+    """A chunk's problems and models (shared problems, one vmapped init call) are bit for bit
+    those `build` makes point by point, so a sweep point is reproducible on its own."""
+    spec = gflow.SweepSpec(
+        axes={"seed": [0, 1], "alpha": [0.1, 1e-3], "m": [2.0, math.inf]},
+        fixed={"dim": 4, "depth": 3, "blocks": 2, "block_size": 2, **fixed},
+        problem=problem,
+        init=init,
+    )
+    points = spec.points()
+    problems, models = build_chunk(points, problem, init, pad_to=4)
+    for i, point in enumerate(points):
+        single_problem, single_model = build(point, problem, init, pad_to=4)
+        for batched, single in zip(
+            (problems.target, problems.mask, *models.layers),
+            (single_problem.target, single_problem.mask, *single_model.layers),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(batched[i]), np.asarray(single))
 
 
 KILL_CONFIG = textwrap.dedent(
