@@ -42,7 +42,7 @@ from ._model import Factorization, loss_and_gradient, loss_hessian, tree_dot
 from ._problem import Problem
 from ._result import FlowResult, Status, Trajectory
 from ._rosenbrock import Rodas4
-from ._runge_kutta import REACHED_END, STOPPED, integrate
+from ._runge_kutta import REACHED_END, STOPPED, all_finite, integrate
 
 SOLVERS = {
     "tsit5": diffrax.Tsit5,
@@ -302,9 +302,7 @@ class _FiniteErrorPID(diffrax.PIDController):
     def adapt_step_size(
         self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
     ):
-        finite = jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(y1_candidate)])
-        )
+        finite = all_finite(y1_candidate)
         y1_candidate = jax.tree_util.tree_map(
             lambda a, b: jnp.where(finite, b, a), y0, y1_candidate
         )
@@ -414,11 +412,12 @@ def solve(
         loss, g = _loss_and_gradient(y["model"], problem, layer_mask)
         return done(loss, g, y["model"])
 
-    lean = _lean_explicit(options)
-    if lean:
+    lean = None  # the explicit phases' settings for `_runge_kutta`, when it runs them
+    if _lean_explicit(options):
         lean = {
             "tableau": solver.tableau,
             "order": solver.order(None),
+            "evals_per_step": _rhs_evals_per_step(solver),
             "rtol": rtol,
             "atol": atol,
             "norm": controller.norm,
@@ -442,7 +441,7 @@ def solve(
     if n1:
         tau_end_for_grid = jnp.where(jnp.isfinite(tau_switch), tau_switch, 30.0)
         grid1 = tau_end_for_grid * jnp.linspace(0, 1, n1)
-    if lean:
+    if lean is not None:
         y_mid, _, status1, stats1, _ = _lean_phase(
             _loss_clock_rates,
             y1,
@@ -599,7 +598,7 @@ def _physical_phase(
     Returns the final state, its local time, its status, the step statistics and the
     trajectory samples (a dict, empty when nothing is saved). With `lean` (nothing to save)
     the explicit solver runs in gflow's own loop (`_runge_kutta`)."""
-    if lean:
+    if lean is not None:
         return _lean_phase(
             _physical_rates,
             y0,
@@ -697,7 +696,7 @@ def _lean_phase(rates, y0, t1, problem, options, max_steps, layer_mask, lean, en
         "num_rejected_steps": run.num_rejected_steps,
         "iters": jnp.asarray(0, jnp.int32),
         # f(y0) (which also tests y0), then every stage after the first of each step
-        "rhs": 1 + len(lean["tableau"].c) * run.num_steps,
+        "rhs": 1 + lean["evals_per_step"] * run.num_steps,
     }
     return run.y, run.t, status, stats, {}
 

@@ -47,7 +47,7 @@ def _combine(y, coeffs, stages, h):
     )
 
 
-def _all_finite(tree):
+def all_finite(tree):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
 
 
@@ -113,7 +113,7 @@ def integrate(
         t_next = jnp.where(t + dt > t1_floor, t1, t + dt)
         h = t_next - t
         y1, f1, done1, err = step(y, f, h)
-        finite = _all_finite(y1)
+        finite = all_finite(y1)
         scaled = jax.tree_util.tree_map(
             lambda a, b, e: e / (atol + rtol * jnp.maximum(jnp.abs(a), jnp.abs(b))),
             y,
