@@ -65,7 +65,9 @@ from ._sweep import SweepSpec as SweepSpec
 from ._sweep import export_table as export_table
 from ._sweep import load_spec as load_spec
 from ._sweep import load_sweep as load_sweep
+from ._sweep import status_labels as status_labels
 from ._sweep import sweep as sweep
+from ._sweep import sweep_summary as sweep_summary
 from ._theory import FamilyLimit as FamilyLimit
 from ._theory import diagonal_l2_limit as diagonal_l2_limit
 from ._theory import escape_time as escape_time

@@ -262,17 +262,14 @@ def cmd_sweep(args) -> int:
         raise UsageError("gflow sweep needs CONFIG.toml (or --example to print one)")
     spec = gflow.load_spec(_existing(args.config))
     out = args.out or os.path.splitext(os.path.basename(args.config))[0] + ".zarr"
+    worker = _worker(args.worker)
     try:
-        ds = gflow.sweep(
-            spec, out, resume=args.resume, progress=not args.quiet, worker=_worker(args.worker)
-        )
+        ds = gflow.sweep(spec, out, resume=args.resume, progress=not args.quiet, worker=worker)
     except FileExistsError as exc:
         raise UsageError(str(exc)) from None
     if args.csv:
         gflow.export_table(ds, args.csv)
-    labels = {int(s): gflow.Status(int(s)).label for s in set(ds["status"].values.ravel())}
-    counts = {labels[int(s)]: int((ds["status"].values == s).sum()) for s in labels}
-    print(json.dumps({"out": out, "flows": int(ds["status"].size), "status": counts}))
+    print(json.dumps({"out": out} | gflow.sweep_summary(ds, worker)))
     return 0
 
 

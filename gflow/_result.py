@@ -26,6 +26,9 @@ class Status(enum.IntEnum):
     """The state, loss or gradient left the float range, or |θ| exceeded the bound."""
     FAILED = 4
     """The solver failed for another reason (e.g. a nonlinear solve in an implicit step)."""
+    PENDING = -1
+    """Not computed yet: a sweep point whose chunk has not been written (a flow never returns
+    this)."""
 
     @property
     def label(self) -> str:

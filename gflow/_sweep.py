@@ -27,6 +27,7 @@ from ._flow import FlowOptions, _compiled_solver, pad_depth, stack
 from ._init import gaussian, identity_family, orthogonal
 from ._measures import effective_rank_of, family_spectrum, stable_rank_of
 from ._problem import bernoulli, block_diagonal
+from ._result import Status
 
 DYNAMIC_AXES = ("alpha", "m", "seed", "value", "noise", "density")
 STATIC_AXES = ("depth", "dim", "blocks", "block_size", "rank")
@@ -435,14 +436,10 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
         store = out
     done = np.asarray(ds["done"].values)
     run_id = os.getpid()
-    todo = []
-    offset = 0
-    for chunk, (_, idx) in enumerate(order):
-        mine = worker is None or chunk % worker[1] == worker[0]
-        if mine and not done[offset : offset + len(idx)].all():
-            todo.append((offset, idx))
-        offset += len(idx)
-    bar = _progress(len(todo), spec.size - sum(len(i) for _, i in todo), spec.size, progress)
+    mine = _chunk_regions(order, worker)
+    todo = [(offset, idx) for offset, idx in mine if not done[offset : offset + len(idx)].all()]
+    total = sum(len(idx) for _, idx in mine)
+    bar = _progress(len(todo), total - sum(len(i) for _, i in todo), total, progress)
     try:
         for offset, idx in todo:
             start = time.perf_counter()
@@ -471,6 +468,47 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
     if store is not None:
         ds = xr.open_zarr(store, consolidated=False).load()
     return to_grid(ds)
+
+
+def _chunk_regions(order, worker=None) -> list[tuple[int, list[int]]]:
+    """(offset in the store, canonical point indices) of each chunk; with `worker=(k, n)`, only
+    the chunks that worker runs (chunk index k mod n)."""
+    regions, offset = [], 0
+    for chunk, (_, idx) in enumerate(order):
+        if worker is None or chunk % worker[1] == worker[0]:
+            regions.append((offset, idx))
+        offset += len(idx)
+    return regions
+
+
+def sweep_summary(ds, worker=None) -> dict:
+    """Status counts of a sweep (a gridded dataset from `sweep` or `load_sweep`), by label.
+
+    With `worker=(k, n)` the counts cover that worker's own chunks. Points not written yet
+    (another worker's chunk still running, or an interrupted run) count as `pending`, and
+    `chunks_pending` says how many chunks of the whole store are still to be computed."""
+    spec = SweepSpec.from_dict(json.loads(ds.attrs["spec"]))
+    order = execution_order(spec)
+    done = np.asarray(ds["done"].values).ravel()
+    status = np.where(done, np.asarray(ds["status"].values).ravel(), int(Status.PENDING))
+    # the grid is in canonical order: a chunk's points are its canonical indices
+    pending = sum(not done[idx].all() for _, idx in order)
+    own = np.concatenate([np.asarray(i, dtype=np.int64) for _, i in _chunk_regions(order, worker)])
+    counts: dict[str, int] = {}
+    for code in status[own]:
+        label = Status(int(code)).label
+        counts[label] = counts.get(label, 0) + 1
+    out = {"flows": int(own.size), "status": counts, "chunks_pending": int(pending)}
+    if worker is not None:
+        out["worker"] = f"{worker[0]}/{worker[1]}"
+        out["store_flows"] = int(done.size)
+    return out
+
+
+def status_labels(values) -> np.ndarray:
+    """Status codes (any shape) as their labels; unwritten points read `pending`."""
+    codes = np.asarray(values)
+    return np.vectorize(lambda c: Status(int(c)).label, otypes=[object])(codes)
 
 
 def _progress(chunks, already, total, enabled):
@@ -516,6 +554,10 @@ def export_table(ds, path=None):
     """A flat table, one row per flow (axes as columns, `sigma_0 …` for the singular values),
     as a pandas DataFrame; written as CSV, or parquet when `path` ends in `.parquet`."""
     frame = ds.drop_vars("sigma").to_dataframe().reset_index()
+    pending = ~frame["done"].to_numpy(dtype=bool)
+    frame["status"] = frame["status"].where(~pending, int(Status.PENDING))
+    labels = status_labels(frame["status"])
+    frame.insert(frame.columns.get_loc("status") + 1, "status_label", labels)
     sigma = ds["sigma"].values.reshape(-1, ds.sizes["k"])
     for k in range(sigma.shape[1]):
         frame[f"sigma_{k}"] = sigma[:, k]

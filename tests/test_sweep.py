@@ -294,3 +294,93 @@ def test_the_512_flow_grid_completes_with_a_status_everywhere(tmp_path):
             rtol=1e-10,
             atol=1e-14 * float(point["sigma"][0]),
         )
+
+
+# SPEC padded to one program (depth_mode auto): 3 chunks of 4, chunk k runs on worker k mod 2
+WORKER_CONFIG = textwrap.dedent(
+    """
+    problem = "diagonal"
+    init = "identity"
+    [axes]
+    depth = [2, 3]
+    alpha = [0.1, 0.01, 0.001]
+    m = [4.0, "inf"]
+    [fixed]
+    dim = 3
+    [sweep]
+    chunk_size = 4
+    """
+)
+DIVERGING_CONFIG = textwrap.dedent(
+    """
+    [axes]
+    alpha = [0.1, 1e40]
+    [fixed]
+    dim = 3
+    depth = 3
+    [sweep]
+    chunk_size = 1
+    """
+)
+
+
+def _start_worker(config, store, worker):
+    cmd = [sys.executable, "-m", "gflow._cli", "sweep", str(config), "--out", str(store)]
+    cmd += ["--quiet", "--worker", worker]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc):
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-2000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_a_worker_alone_exits_cleanly_and_reports_what_is_pending(tmp_path):
+    """Worker 0 of 2 finishes while worker 1's chunk is unwritten: exit 0, a summary of its
+    own chunks, the others `pending` wherever the store is read."""
+    config = tmp_path / "w.toml"
+    config.write_text(WORKER_CONFIG)
+    store = tmp_path / "w.zarr"
+    report = _finish(_start_worker(config, store, "0/2"))
+    assert report["status"] == {"converged": 8} and report["flows"] == 8
+    assert report["chunks_pending"] == 1 and report["store_flows"] == 12
+    ds = gflow.load_sweep(store)
+    assert gflow.sweep_summary(ds)["status"] == {"converged": 8, "pending": 4}
+    frame = gflow.export_table(ds, tmp_path / "partial.csv")
+    labels = frame["status_label"].tolist()
+    assert labels.count("pending") == 4 and labels.count("converged") == 8
+    assert set(frame[frame["status_label"] == "pending"]["status"]) == {-1}
+    assert "pending" in (tmp_path / "partial.csv").read_text()
+
+
+def test_concurrent_workers_both_exit_0_and_merge_to_the_single_run(tmp_path):
+    config = tmp_path / "w.toml"
+    config.write_text(WORKER_CONFIG)
+    store = tmp_path / "w.zarr"
+    # worker 0 runs two chunks, worker 1 one: worker 1 finishes first
+    procs = [_start_worker(config, store, w) for w in ("0/2", "1/2")]
+    reports = [_finish(p) for p in procs]
+    assert [r["flows"] for r in reports] == [8, 4]
+    assert all(r["status"] == {"converged": r["flows"]} for r in reports)
+    merged = gflow.load_sweep(store)
+    single = gflow.sweep(gflow.load_spec(config), progress=False)
+    assert gflow.sweep_summary(merged) == {
+        "flows": 12,
+        "status": {"converged": 12},
+        "chunks_pending": 0,
+    }
+    for name in ("sigma", "status", "t_end", "num_steps", "log_sigma_b_layers"):
+        np.testing.assert_array_equal(merged[name].values, single[name].values)
+
+
+def test_a_worker_with_a_diverging_point_records_it_next_to_a_converging_one(tmp_path):
+    config = tmp_path / "w.toml"
+    config.write_text(DIVERGING_CONFIG)
+    store = tmp_path / "w.zarr"
+    # chunks run shortest expected flow first: α = 1e40 is chunk 0 (worker 0)
+    procs = [_start_worker(config, store, w) for w in ("0/2", "1/2")]
+    reports = [_finish(p) for p in procs]
+    assert [r["status"] for r in reports] == [{"diverged": 1}, {"converged": 1}]
+    ds = gflow.load_sweep(store)
+    assert gflow.status_labels(ds["status"].values).tolist() == ["converged", "diverged"]
