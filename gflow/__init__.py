@@ -21,6 +21,7 @@ from ._problem import block_diagonal as block_diagonal
 from ._problem import diagonal as diagonal
 from ._problem import load_problem as load_problem
 from ._result import FlowResult as FlowResult
+from ._result import Phase as Phase
 from ._result import Status as Status
 from ._result import Trajectory as Trajectory
 

@@ -151,6 +151,7 @@ def cmd_run(args) -> int:
     sigma = gflow.singular_values(result.model)
     report = {
         "status": result.status_label,
+        "status_message": result.status_message,
         "singular_values": [float(v) for v in sigma],
         "stable_rank": gflow.stable_rank_of(sigma),
         "effective_rank": gflow.effective_rank_of(sigma),
@@ -172,7 +173,7 @@ def cmd_run(args) -> int:
     if args.json:
         print(json.dumps(_jsonable(report)))
     else:
-        print(f"status         {report['status']}")
+        print(f"status         {report['status_message']}")
         print(f"t_end          {report['t_end']:.6g}   steps {report['num_steps']}")
         print(f"loss           {report['loss']:.3e}")
         print(f"singular vals  {np.array2string(sigma, precision=6)}")

@@ -108,6 +108,11 @@ def format_table(rows: list[dict], columns=None) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
+def _converged(row) -> bool:
+    """A comparison row's flow reached its endpoint (`status` as a label or a code)."""
+    return row.get("status", "converged") in ("converged", int(Status.CONVERGED))
+
+
 def plot_rank_vs_alpha(
     rows: list[dict],
     *,
@@ -120,7 +125,8 @@ def plot_rank_vs_alpha(
     title=None,
 ):
     """Stable rank − 1 and σ_B/σ_A against α on log axes: one theory curve per depth, the
-    integrated endpoints (comparison rows) as markers on top. Returns the figure."""
+    integrated endpoints (comparison rows) as markers on top; rows whose flow did not converge
+    as grey crosses. Returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -136,16 +142,20 @@ def plot_rank_vs_alpha(
     else:
         axes, fig = ax, ax[0].figure
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(depths)))
+    off = dict(marker="x", color="0.5")  # flows that did not converge
     for depth, color in zip(depths, colors, strict=True):
         lim = family_limit(depth, n, s, alphas, m, w)
         ratio = np.exp(lim.log_sigma_b - np.log(lim.sigma_a))
         axes[0].plot(alphas, (n - 1) * ratio**2, color=color, label=f"L = {depth} (theory)")
         axes[1].plot(alphas, ratio, color=color)
-        pts = [r for r in rows if r["L"] == depth]
-        xs = [r["alpha"] for r in pts]
-        axes[0].plot(xs, [r["stable_rank"] - 1 for r in pts], "o", color=color, mfc="none")
-        axes[1].plot(xs, [r["sigma_b"] / r["sigma_a"] for r in pts], "o", color=color, mfc="none")
-    axes[0].plot([], [], "ok", mfc="none", label="integrated (gflow)")
+        for reached, style in ((True, dict(marker="o", color=color, mfc="none")), (False, off)):
+            pts = [r for r in rows if r["L"] == depth and _converged(r) == reached]
+            xs = [r["alpha"] for r in pts]
+            axes[0].plot(xs, [r["stable_rank"] - 1 for r in pts], ls="none", **style)
+            axes[1].plot(xs, [r["sigma_b"] / r["sigma_a"] for r in pts], ls="none", **style)
+    axes[0].plot([], [], "ok", mfc="none", label="integrated endpoint (gflow)")
+    if not all(_converged(r) for r in rows):
+        axes[0].plot([], [], ls="none", label="did not converge (not an endpoint)", **off)
     for a, ylabel in zip(axes, ["stable rank − 1", "σ_B / σ_A"], strict=True):
         a.set_xscale("log")
         a.set_yscale("log")

@@ -40,7 +40,7 @@ import optimistix as optx
 
 from ._model import Factorization, loss_and_gradient, loss_hessian, tree_dot
 from ._problem import Problem
-from ._result import FlowResult, Status, Trajectory
+from ._result import FlowResult, Phase, Status, Trajectory, solver_code
 from ._rosenbrock import Rodas4
 from ._runge_kutta import REACHED_END, STOPPED, all_finite, integrate
 
@@ -436,7 +436,10 @@ def solve(
     if options.certificates:
         y1["energy"] = jnp.zeros((), dtype)
     t_max = jnp.asarray(options.t_max, dtype)
-    reached_t_max = lambda t, y, args, **kw: y["t"] - t_max
+    # Relative, so that the root finder's absolute tolerance (1e-12) is within float64's
+    # resolution of t: as (t − t_max) it asked for 1e-12 at t ~ 1e4, where one ulp is 1.8e-12,
+    # never converged, and reported `failed` for a flow that had simply reached t_max.
+    reached_t_max = lambda t, y, args, **kw: y["t"] / t_max - 1.0
     grid1 = None
     if n1:
         tau_end_for_grid = jnp.where(jnp.isfinite(tau_switch), tau_switch, 30.0)
@@ -544,6 +547,12 @@ def solve(
         linear_iters = jnp.asarray(0, jnp.int32)
 
     steps = sum(s["num_steps"] for s in stats)
+    # Which phase decided the status, and what its integrator said (for `status_message`).
+    end_phase = jnp.where(finished, Phase.LOSS_CLOCK, Phase.EXPLICIT)
+    solver_code = jnp.where(finished, stats[0]["result"], stats[1]["result"])
+    if stiff_phase:
+        end_phase = jnp.where(handover, Phase.STIFF_TAIL, end_phase)
+        solver_code = jnp.where(handover, stats[2]["result"], solver_code)
     implicit_ran = jnp.any(jnp.stack([s["rhs"] < 0 for s in stats]))
     rhs = jnp.where(implicit_ran, -1, sum(s["rhs"] for s in stats))
 
@@ -574,6 +583,8 @@ def solve(
         num_rhs_evals=rhs,
         num_linear_iters=linear_iters,
         energy=energy,
+        end_phase=end_phase.astype(jnp.int32),
+        solver_code=solver_code.astype(jnp.int32),
         trajectory=trajectory,
     )
 
@@ -695,6 +706,7 @@ def _lean_phase(rates, y0, t1, problem, options, max_steps, layer_mask, lean, en
         "num_accepted_steps": run.num_accepted_steps,
         "num_rejected_steps": run.num_rejected_steps,
         "iters": jnp.asarray(0, jnp.int32),
+        "result": jnp.asarray(0, jnp.int32),  # gflow's loop has no failure mode of its own
         # f(y0) (which also tests y0), then every stage after the first of each step
         "rhs": 1 + lean["evals_per_step"] * run.num_steps,
     }
@@ -734,6 +746,7 @@ def _step_stats(sol, solver):
     out = {k: sol.stats[k] for k in keys}
     state = sol.solver_state
     out["iters"] = state["iters"] if isinstance(state, dict) else jnp.asarray(0, jnp.int32)
+    out["result"] = solver_code(sol.result)
     per_step = _rhs_evals_per_step(solver)
     if per_step > 0:
         out["rhs"] = out["num_steps"] * (per_step + 1) + 2

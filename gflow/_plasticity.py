@@ -158,18 +158,19 @@ def two_by_two_problem(value: float = 1.0) -> tuple[Problem, np.ndarray]:
 
 def two_by_two_warm_curve(depth: int, ms, alpha: float = 0.1, value: float = 1.0) -> np.ndarray:
     """The unobserved X₂₁ after the warm start of the 2×2 study, for each init shape m of the
-    pretraining (theory.md §7: for depth 2 it changes sign at m* ≈ 49.99)."""
+    pretraining (theory.md §7: for depth 2 it changes sign at m* ≈ 49.99). NaN where the
+    pretraining or the warm start did not converge: that value would not be an endpoint."""
     from ._init import identity_family
 
     problem, pretrain_mask = two_by_two_problem(value)
-    return np.array(
-        [
-            plasticity(
-                problem, pretrain_mask, identity_family(2, depth, alpha, m), judge_trajectory=False
-            ).warm.unobserved_values["1,0"]
-            for m in ms
-        ]
-    )
+    values = []
+    for m in ms:
+        r = plasticity(
+            problem, pretrain_mask, identity_family(2, depth, alpha, m), judge_trajectory=False
+        )
+        reached = r.pretrain.status == "converged" and r.warm.status == "converged"
+        values.append(r.warm.unobserved_values["1,0"] if reached else np.nan)
+    return np.array(values)
 
 
 def connected_superset_mask(d: int, extra: int, key) -> np.ndarray:
@@ -245,6 +246,7 @@ def dxd_study(
                     "cold_unobserved_rel": r.cold.unobserved_error["rel"],
                     "warm_distance": r.warm.distance_travelled,
                     "cold_distance": r.cold.distance_travelled,
+                    "pretrain_status": r.pretrain.status,
                     "warm_status": r.warm.status,
                     "cold_status": r.cold.status,
                 }

@@ -35,6 +35,52 @@ class Status(enum.IntEnum):
         return self.name.lower()
 
 
+class Phase(enum.IntEnum):
+    """The part of a solve that ended it (see `FlowResult.end_phase`)."""
+
+    LOSS_CLOCK = 0
+    """The loss clock, which crosses the plateau of a small initialisation."""
+    EXPLICIT = 1
+    """Physical time with the explicit solver (or the one solver that was forced)."""
+    STIFF_TAIL = 2
+    """The Rosenbrock stiff tail of `solver="auto"`."""
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", " ")
+
+
+def solver_code(result) -> jax.Array:
+    """diffrax's result as an int (0: successful), storable in a result or a sweep store."""
+    return jnp.asarray(result._value, jnp.int32)
+
+
+def solver_message(code: int) -> str:
+    """diffrax's own words for a result code from `solver_code`."""
+    import diffrax
+
+    messages = diffrax.RESULTS._index_to_message
+    first_line = messages[code].strip().splitlines()[0] if 0 <= code < len(messages) else ""
+    return first_line or "successful"
+
+
+def status_message(status: int, end_phase: int, code: int) -> str:
+    """A sentence saying why a flow stopped: the status, the phase and the integrator's reason."""
+    label = Status(int(status)).label
+    if int(status) == Status.PENDING:
+        return "pending: not computed yet"
+    where = f"in the {Phase(int(end_phase)).label} phase"
+    if int(status) == Status.FAILED:
+        return f"failed {where}: the integrator reported: {solver_message(int(code))}"
+    reasons = {
+        Status.CONVERGED: "the stopping rule fired (remaining distance within tolerance)",
+        Status.T_MAX: "the time horizon t_max was reached before convergence",
+        Status.MAX_STEPS: "the step budget max_steps ran out before convergence",
+        Status.DIVERGED: "the state, loss or gradient left the float range or the bound",
+    }
+    return f"{label} {where}: {reasons[Status(int(status))]}"
+
+
 class Trajectory(eqx.Module):
     """Samples of a flow, time-ordered. Rows past the end of the solve are `inf` (`valid` is
     False there); `compress()` drops them.
@@ -78,6 +124,9 @@ class FlowResult(eqx.Module):
       it ran with dense linear algebra or did not run.
     - `energy`: ∫‖∇loss‖² dt when certificates were requested (else nan). For the exact flow
       `loss_init − loss = energy`.
+    - `end_phase`: the `Phase` that ended the solve; `solver_code`: what its integrator
+      reported (diffrax's result, 0 when successful). `status_message` puts status, phase and
+      reason into words.
     - `trajectory`: samples along the way, when requested.
     - `wall_time_s`, `compile_time_s`: seconds, measured on the host (nan inside `vmap`).
     """
@@ -93,6 +142,8 @@ class FlowResult(eqx.Module):
     num_rhs_evals: Int[Array, ""]
     num_linear_iters: Int[Array, ""]
     energy: Float[Array, ""]
+    end_phase: Int[Array, ""] = eqx.field(default_factory=lambda: jnp.asarray(1, jnp.int32))
+    solver_code: Int[Array, ""] = eqx.field(default_factory=lambda: jnp.asarray(0, jnp.int32))
     trajectory: Trajectory | None = None
     wall_time_s: float = eqx.field(static=True, default=float("nan"))
     compile_time_s: float = eqx.field(static=True, default=float("nan"))
@@ -106,6 +157,13 @@ class FlowResult(eqx.Module):
     def member(self, i: int) -> FlowResult:
         """Member `i` of a batched result (from `flow_batch`)."""
         return jax.tree_util.tree_map(lambda x: x[i] if getattr(x, "ndim", 0) else x, self)
+
+    @property
+    def status_message(self) -> str | list[str]:
+        """Why the flow stopped, in words (a list for a batched result)."""
+        codes = [np.asarray(x).ravel() for x in (self.status, self.end_phase, self.solver_code)]
+        messages = [status_message(*row) for row in zip(*codes, strict=True)]
+        return messages[0] if np.asarray(self.status).ndim == 0 else messages
 
     @property
     def status_label(self) -> str | list[str]:

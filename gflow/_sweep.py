@@ -314,6 +314,8 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np
         "loss_init": np.asarray(result.loss_init)[:n],
         "num_steps": np.asarray(result.num_steps)[:n].astype(np.int64),
         "num_rejected_steps": np.asarray(result.num_rejected_steps)[:n].astype(np.int64),
+        "end_phase": np.asarray(result.end_phase)[:n].astype(np.int8),
+        "solver_code": np.asarray(result.solver_code)[:n].astype(np.int8),
     }
     x = np.asarray(result.model.product())[:n]
     sigma = np.linalg.svd(x, compute_uv=False)
@@ -342,6 +344,8 @@ VARIABLES = {
     "loss_init": np.float64,
     "num_steps": np.int64,
     "num_rejected_steps": np.int64,
+    "end_phase": np.int8,
+    "solver_code": np.int8,
     "stable_rank": np.float64,
     "effective_rank": np.float64,
     "batch_efficiency": np.float64,

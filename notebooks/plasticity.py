@@ -71,9 +71,16 @@ rows = gflow.dxd_study(d, depths, (0.1,), seed=0)
 for row in rows:
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
 
+
+def endpoint(row, phase):
+    """The stable rank of a phase that converged (after a converged pretraining), else nan."""
+    reached = row["pretrain_status"] == row[f"{phase}_status"] == "converged"
+    return row[f"{phase}_stable_rank"] if reached else np.nan
+
+
 fig, ax = plt.subplots(figsize=(5.5, 4), constrained_layout=True)
-ax.plot(depths, [r["warm_stable_rank"] for r in rows], "o-", label="warm (pretrained on Ω₁)")
-ax.plot(depths, [r["cold_stable_rank"] for r in rows], "s--", label="cold (fresh init)")
+ax.plot(depths, [endpoint(r, "warm") for r in rows], "o-", label="warm (pretrained on Ω₁)")
+ax.plot(depths, [endpoint(r, "cold") for r in rows], "s--", label="cold (fresh init)")
 ax.set_xlabel("depth L")
 ax.set_ylabel("stable rank after training on Ω₂")
 ax.set_xticks(depths)

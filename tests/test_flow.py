@@ -287,3 +287,30 @@ def test_float64_is_the_default():
     assert jnp.zeros(1).dtype == jnp.float64
     assert gflow.diagonal(2).target.dtype == jnp.float64
     assert jax.config.jax_enable_x64
+
+
+def test_a_horizon_reached_on_the_loss_clock_is_t_max_not_failed():
+    """Locating t = t_max on the loss clock is a root find on t(τ); with t − t_max it asked for
+    an absolute 1e-12 at t = 1e4 (one ulp: 1.8e-12), never converged, and said `failed`."""
+    from gflow._sweep import DEFAULTS, build
+
+    point = DEFAULTS | dict(blocks=3, block_size=2, depth=5, alpha=0.003, seed=0)
+    problem, model = build(point, "block-diagonal", "gaussian")  # failed in `gflow reproduce`
+    result = gflow.flow(problem, model, t_max=1e4)
+    assert result.status_label == "t_max"
+    assert result.end_phase == gflow.Phase.LOSS_CLOCK  # still on the plateau at t_max
+    assert abs(float(result.t_end) / 1e4 - 1) < 1e-12
+    assert result.status_message == (
+        "t_max in the loss clock phase: the time horizon t_max was reached before convergence"
+    )
+
+
+def test_status_messages_name_the_phase_and_the_integrators_reason():
+    from gflow._result import status_message
+
+    failed = status_message(gflow.Status.FAILED, gflow.Phase.STIFF_TAIL, 7)
+    assert failed.startswith("failed in the stiff tail phase: the integrator reported: ")
+    assert "nonlinear solver" in failed
+    assert status_message(-1, 0, 0) == "pending: not computed yet"
+    result = gflow.flow(gflow.diagonal(3), gflow.identity_family(3, 2, 0.1, 4.0))
+    assert result.status_message.startswith("converged in the explicit phase")
