@@ -79,6 +79,18 @@ def _plot(name, result, path):
         ax.set_xlabel("matrix size d")
         ax.set_ylabel("gradient FLOP rate / matmul FLOP rate")
         ax.set_title("RHS efficiency")
+    elif name == "startup":
+        names = list(result["best_wall_s"])
+        ax.bar(names, [result["best_wall_s"][n] for n in names], label="wall")
+        ax.bar(
+            names,
+            [min(x["compile_s"] for x in result["runs"][n]) for n in names],
+            label="of which compile or load",
+        )
+        ax.axhline(result["import_s"], color="k", ls=":", label="import gflow")
+        ax.set_ylabel("seconds per process")
+        ax.set_title(result["command"], fontsize=9)
+        ax.legend(fontsize=8)
     elif name == "stiff_tail":
         width = 0.8 / len(result)
         names = list(dict.fromkeys(n for case in result.values() for n in case["rows"]))
@@ -162,6 +174,14 @@ def _summary(name, r):
             ratio = case.get("ratio_kvaerno5_over_auto")
             parts.append(f"{size}: {rows}" + (f"; Kvaerno5/auto = {ratio:.3g}×" if ratio else ""))
         return " | ".join(parts)
+    if name == "startup":
+        best = r["best_wall_s"]
+        return (
+            f"repeated call {best['repeated (cache hit)']:.2f} s vs {best['no cache']:.2f} s "
+            f"without the cache ({r['no_cache_over_repeated']:.3g}×); first call "
+            f"{r['first_over_no_cache']:.2f}× the uncached one; import {r['import_s']:.2f} s; "
+            f"identical results: {r['identical_results']}"
+        )
     if name == "rhs_efficiency":
         return "; ".join(
             f"d={x['d']} L={x['L']}: {x['fraction_of_matmul_rate']:.0%}" for x in r["rows"]

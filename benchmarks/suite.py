@@ -4,7 +4,9 @@ with the measured numbers and the ratios (see benchmarks/README.md)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import time
 
 import jax
@@ -541,6 +543,61 @@ def stiff_tail(quick: bool) -> dict:
     return out
 
 
+def startup(quick: bool) -> dict:
+    """Wall time of a fresh `gflow run` process: without the persistent compilation cache,
+    into an empty cache (the first call) and from it (the repeated call), side by side; and of
+    `import gflow` alone. Each call is a new process, as a user typing the command."""
+    import subprocess
+    import sys
+    import tempfile
+
+    argv = [sys.executable, "-m", "gflow._cli", "run", "--depth", "3", "--alpha", "1e-3", "--json"]
+    repeats = 1 if quick else 3
+
+    def call(env_extra, command=argv):
+        env = dict(os.environ, **env_extra)
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+        wall = time.perf_counter() - start
+        report = json.loads(done.stdout.splitlines()[-1]) if command is argv else {}
+        return wall, report
+
+    rows = {"no cache": [], "first (empty cache)": [], "repeated (cache hit)": []}
+    reports = {}
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as cache:
+            for name, env in (
+                ("no cache", {"GFLOW_NO_CACHE": "1"}),
+                ("first (empty cache)", {"GFLOW_CACHE_DIR": cache}),
+                ("repeated (cache hit)", {"GFLOW_CACHE_DIR": cache}),
+            ):
+                wall, reports[name] = call(env)
+                rows[name].append(
+                    {
+                        "wall_s": wall,
+                        "compile_s": reports[name]["compile_time_s"],
+                        "cache_hit": reports[name]["compile_cache_hit"],
+                    }
+                )
+    imports = [
+        call({"GFLOW_NO_CACHE": "1"}, [sys.executable, "-c", "import gflow"])[0]
+        for _ in range(repeats)
+    ]
+    best = {name: min(r["wall_s"] for r in runs) for name, runs in rows.items()}
+    same = (
+        reports["no cache"]["singular_values"] == reports["repeated (cache hit)"]["singular_values"]
+    )
+    return {
+        "command": "gflow run --depth 3 --alpha 1e-3 --json",
+        "runs": rows,
+        "best_wall_s": best,
+        "import_s": min(imports),
+        "first_over_no_cache": best["first (empty cache)"] / best["no cache"],
+        "no_cache_over_repeated": best["no cache"] / best["repeated (cache hit)"],
+        "identical_results": same,
+    }
+
+
 BENCHMARKS = {
     "sgd_matched_accuracy": sgd_matched_accuracy,
     "small_alpha_reach": small_alpha_reach,
@@ -548,4 +605,5 @@ BENCHMARKS = {
     "sweep_throughput": sweep_throughput,
     "rhs_efficiency": rhs_efficiency,
     "stiff_tail": stiff_tail,
+    "startup": startup,
 }

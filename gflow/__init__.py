@@ -1,6 +1,6 @@
 """gflow: exact continuous-time gradient flow on deep matrix factorizations."""
 
-from . import _cli as _cli
+from . import _cache as _cache  # noqa: F401, I001  (the persistent compilation cache)
 from . import _flow as _flow
 from . import _precision as _precision  # noqa: F401  (switches on float64)
 from ._flow import FlowOptions as FlowOptions

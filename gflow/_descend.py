@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._cache import ALREADY_COMPILED, compile_timed
 from ._flow import _flatten, _is_diverged, remaining_distance_ratio
 from ._model import Factorization, loss_and_gradient, tree_dot
 from ._problem import Problem
@@ -219,20 +220,22 @@ def descend(
         jax.tree_util.tree_structure((problem, model)),
         tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves((problem, model))),
     )
-    compiled = _COMPILED.get(key)
-    compile_time = 0.0
+    compiled, compile_time = _COMPILED.get(key), ALREADY_COMPILED
     if compiled is None:
-        start = time.perf_counter()
         fn = lambda p, m, lr: descend_solve(p, m, options, lr)
         lr0 = jnp.asarray(options.lr, model.layers[0].dtype)
-        compiled = jax.jit(fn).lower(problem, model, lr0).compile()
-        compile_time = time.perf_counter() - start
+        named = isinstance(options.optimizer, str)  # an optax object has no stable name
+        program_key = repr(("descend", key[0])) if named else None
+        out_like = None if options.save_every else FlowResult.skeleton(model)
+        compiled, compile_time = compile_timed(
+            fn, problem, model, lr0, key=program_key, out_like=out_like
+        )
         if isinstance(options.optimizer, str):
             _COMPILED[key] = compiled
     start = time.perf_counter()
     result = compiled(problem, model, jnp.asarray(options.lr, model.layers[0].dtype))
     jax.block_until_ready(result)
-    return result.timed(time.perf_counter() - start, compile_time)
+    return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
 
 
 def endpoint_distance(result: FlowResult, reference: FlowResult, problem: Problem, top=None):

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optimistix as optx
 
+from ._cache import ALREADY_COMPILED, compile_timed
 from ._model import Factorization, loss_and_gradient, loss_hessian, tree_dot
 from ._problem import Problem
 from ._result import FlowResult, Phase, Status, Trajectory, solver_code
@@ -826,7 +827,7 @@ def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths
     )
     hit = _COMPILED.get(key)
     if hit is not None:
-        return hit, 0.0
+        return hit, ALREADY_COMPILED
     axis = None if in_axes is None else "flows"
     if depths is None:
         fn = lambda p, m: solve(p, m, options, batch_axis=axis)
@@ -848,12 +849,14 @@ def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths
                 # program is a plain vmapped solve, so there is nothing to check across devices.
                 check_vma=False,
             )
-    start = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    elapsed = time.perf_counter() - start
+    # Kept on disk whole (see `compile_timed`) unless spread over devices.
+    program_key = None if devices is not None else repr(("flow", options, in_axes, depths is None))
+    samples = options.save or options.save_ts is not None
+    out_like = None if samples else FlowResult.skeleton(model)
+    compiled, compile_time = compile_timed(fn, *args, key=program_key, out_like=out_like)
     COMPILE_COUNT["flow"] += 1
     _COMPILED[key] = compiled
-    return compiled, elapsed
+    return compiled, compile_time
 
 
 def flow(
@@ -899,7 +902,7 @@ def flow(
     start = time.perf_counter()
     result = compiled(problem, model)
     jax.block_until_ready(result)
-    return result.timed(time.perf_counter() - start, compile_time)
+    return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
 
 
 def pad_depth(model: Factorization, depth: int) -> Factorization:
@@ -949,4 +952,4 @@ def flow_batch(
     start = time.perf_counter()
     result = compiled(problem, model)
     jax.block_until_ready(result)
-    return result.timed(time.perf_counter() - start, compile_time)
+    return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)

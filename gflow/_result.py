@@ -128,7 +128,10 @@ class FlowResult(eqx.Module):
       reported (diffrax's result, 0 when successful). `status_message` puts status, phase and
       reason into words.
     - `trajectory`: samples along the way, when requested.
-    - `wall_time_s`, `compile_time_s`: seconds, measured on the host (nan inside `vmap`).
+    - `wall_time_s`, `compile_time_s`: seconds, measured on the host (nan inside `vmap`);
+      `compile_time_s` is 0 when the program was already compiled in this process.
+    - `compile_cache_hit`: True when XLA's compilation was loaded from the persistent cache
+      (`GFLOW_CACHE_DIR`), False when it was compiled, None when nothing was compiled.
     """
 
     model: Factorization
@@ -147,12 +150,27 @@ class FlowResult(eqx.Module):
     trajectory: Trajectory | None = None
     wall_time_s: float = eqx.field(static=True, default=float("nan"))
     compile_time_s: float = eqx.field(static=True, default=float("nan"))
+    compile_cache_hit: bool | None = eqx.field(static=True, default=None)
 
-    def timed(self, wall_time_s: float, compile_time_s: float) -> FlowResult:
+    @classmethod
+    def skeleton(cls, model: Factorization) -> FlowResult:
+        """A result with `model`'s structure and no trajectory: the pytree structure of what a
+        solve without samples returns (its leaves are placeholders)."""
+        zero = np.zeros(())
+        return cls(model, *[zero] * 10, end_phase=zero, solver_code=zero)
+
+    def timed(
+        self, wall_time_s: float, compile_time_s: float, compile_cache_hit: bool | None = None
+    ) -> FlowResult:
         """A copy carrying host-side timings."""
         import dataclasses
 
-        return dataclasses.replace(self, wall_time_s=wall_time_s, compile_time_s=compile_time_s)
+        return dataclasses.replace(
+            self,
+            wall_time_s=wall_time_s,
+            compile_time_s=compile_time_s,
+            compile_cache_hit=compile_cache_hit,
+        )
 
     def member(self, i: int) -> FlowResult:
         """Member `i` of a batched result (from `flow_batch`)."""

@@ -11,6 +11,7 @@ import pytest
 from reference import reference_flow
 
 import gflow
+import gflow._cli
 
 ALPHAS = [1e-4, 1e-3, 1e-2, 0.1, 0.3]
 MS = [1.5, 2.0, 4.0, 16.0, math.inf]

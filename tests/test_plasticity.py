@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import gflow
+import gflow._cli
 
 TABLE_7 = [  # m, warm X₂₁(∞), σ₁, σ₂, stable rank, ‖ΔW‖/‖W‖
     (2.0, 0.705842682347, 1.863679537718, 0.157836855371, 1.0071725629, 0.083),

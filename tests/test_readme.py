@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import gflow
+import gflow._cli
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import gflow
+import gflow._cli
 
 
 @pytest.fixture(scope="module")

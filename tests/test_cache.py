@@ -1,0 +1,63 @@
+"""The persistent compilation cache: a second process loads what the first compiled."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ARGV = [sys.executable, "-m", "gflow._cli", "run", "--depth", "3", "--alpha", "1e-3", "--json"]
+
+
+def _run(cache, *extra):
+    env = dict(os.environ, GFLOW_CACHE_DIR=str(cache))
+    env.pop("GFLOW_NO_CACHE", None)
+    done = subprocess.run(
+        ARGV[:3] + list(extra) + ARGV[3:], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _endpoint(report):
+    keys = ("singular_values", "t_end", "loss", "num_steps", "num_rhs_evals", "certificates")
+    return {k: report[k] for k in keys}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("xla")
+    return cache, _run(cache), _run(cache)
+
+
+def test_a_second_process_hits_the_cache_and_gets_identical_results(two_processes):
+    cache, first, second = two_processes
+    assert first["compile_cache_hit"] is False and second["compile_cache_hit"] is True
+    assert second["compile_time_s"] < first["compile_time_s"] / 4
+    assert _endpoint(second) == _endpoint(first)
+    programs = list((cache / "gflow-programs").glob("*.pkl"))
+    assert len(programs) == 1 and not list(cache.glob("**/*.tmp"))
+
+
+def test_no_cache_flag_neither_reads_nor_writes(two_processes, tmp_path):
+    cache, first, _ = two_processes
+    before = sorted(p.name for p in cache.rglob("*"))
+    report = _run(cache, "--no-cache")
+    assert report["compile_cache_hit"] is False
+    assert report["compile_time_s"] > 4 * _run(cache)["compile_time_s"]
+    assert _endpoint(report) == _endpoint(first)
+    assert sorted(p.name for p in cache.rglob("*") if "atime" not in p.name) == [
+        n for n in before if "atime" not in n
+    ]
+
+
+def test_a_damaged_program_file_is_recompiled_not_fatal(two_processes, tmp_path):
+    cache, first, _ = two_processes
+    copy = tmp_path / "xla"
+    subprocess.run(["cp", "-r", str(cache), str(copy)], check=True)
+    (program,) = (copy / "gflow-programs").glob("*.pkl")
+    program.write_bytes(program.read_bytes()[:1000])  # a writer killed half-way
+    report = _run(copy)
+    assert _endpoint(report) == _endpoint(first)
+    assert program.stat().st_size > 1000  # rewritten whole
