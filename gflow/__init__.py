@@ -1,5 +1,7 @@
 """gflow: exact continuous-time gradient flow on deep matrix factorizations."""
 
+from importlib.metadata import version as _version
+
 from . import _cache as _cache  # noqa: F401, I001  (the persistent compilation cache)
 from . import _flow as _flow
 from . import _precision as _precision  # noqa: F401  (switches on float64)
@@ -25,11 +27,12 @@ from ._result import Phase as Phase
 from ._result import Status as Status
 from ._result import Trajectory as Trajectory
 
-__version__ = "0.1.0"
+__version__ = _version("gflow")
 from ._certificates import balancedness as balancedness
 from ._certificates import balancedness_drift as balancedness_drift
 from ._certificates import certificates as certificates
 from ._certificates import energy_residual as energy_residual
+from ._checks import seed_keys as seed_keys
 from ._compare import FamilyConfig as FamilyConfig
 from ._compare import compare_family as compare_family
 from ._compare import compare_family_batch as compare_family_batch

@@ -39,7 +39,9 @@ def enable(path: str | os.PathLike | None = None) -> Path | None:
     except OSError:
         return None
     jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # Programs that compile in under 0.1 s (eager operations) are not worth a file: they
+    # would only lengthen the cache's directory scans.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return directory

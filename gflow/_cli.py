@@ -53,7 +53,13 @@ def _add_problem_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--alpha", type=_float_or_inf, default=0.01, help="init scale α per layer")
     g.add_argument("--m", type=_float_or_inf, default=4.0, help="identity-family m (inf allowed)")
     g.add_argument("--init-file", help="layers .npy stack (L, d, d) or .npz (--init file)")
-    g.add_argument("--seed", type=int, default=0, help="PRNG seed")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="PRNG seed: the problem's key and the init's key are gflow.seed_keys(seed), "
+        "as in sweeps",
+    )
 
 
 def _add_solver_options(p: argparse.ArgumentParser) -> None:
@@ -69,11 +75,9 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_problem(args):
-    import jax
-
     import gflow
 
-    key = jax.random.key(args.seed)
+    key = gflow.seed_keys(args.seed)[0]
     if args.problem == "diagonal":
         return gflow.diagonal(args.dim, args.value, noise=args.noise, key=key)
     if args.problem == "block-diagonal":
@@ -88,8 +92,6 @@ def build_problem(args):
 
 
 def build_model(args, problem):
-    import jax
-
     import gflow
 
     d_out, d_in = problem.shape
@@ -98,7 +100,7 @@ def build_model(args, problem):
             raise UsageError("--init file needs --init-file PATH")
         return gflow.load_init(_existing(args.init_file))
     widths = [d_in] + [d_out] * args.depth
-    key = jax.random.fold_in(jax.random.key(args.seed), 1)
+    key = gflow.seed_keys(args.seed)[1]
     if args.init == "identity":
         if d_in != d_out:
             raise UsageError("--init identity needs a square problem")

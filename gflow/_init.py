@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import as_key, check_positive_int
 from ._model import Factorization
 from ._precision import default_dtype
 
@@ -21,7 +22,7 @@ def identity_family(d: int, depth: int, alpha, m=math.inf, *, dtype=None) -> Fac
     validated when concrete: α > 0, m > 1 (m = 1 gives a rank-1 J that stays rank 1).
     """
     _check_depth(depth)
-    _check_positive_int(d, "d")
+    check_positive_int(d, "d")
     _check_alpha(alpha)
     if _concrete(m) and not (float(m) > 1):
         raise ValueError(f"m must be > 1 (m = inf allowed), got {m}")
@@ -37,7 +38,7 @@ def gaussian(widths: Sequence[int], alpha, key, *, dtype=None) -> Factorization:
     widths = _check_widths(widths)
     _check_alpha(alpha)
     dtype = dtype or default_dtype()
-    keys = jax.random.split(_as_key(key), len(widths) - 1)
+    keys = jax.random.split(as_key(key), len(widths) - 1)
     # The same bits eagerly, jitted and vmapped (a sweep builds its inits vmapped): the scale
     # is rounded once, and the barrier keeps XLA from fusing (and so re-rounding) the normal
     # sampler into the product.
@@ -54,7 +55,7 @@ def orthogonal(widths: Sequence[int], alpha, key, *, dtype=None) -> Factorizatio
     widths = _check_widths(widths)
     _check_alpha(alpha)
     dtype = dtype or default_dtype()
-    keys = jax.random.split(_as_key(key), len(widths) - 1)
+    keys = jax.random.split(as_key(key), len(widths) - 1)
     init = jax.nn.initializers.orthogonal()
     layers = [
         alpha * init(k, (d_out, d_in), dtype)
@@ -108,21 +109,11 @@ def _check_depth(depth):
         raise ValueError(f"depth L must be an integer >= 1, got {depth!r}")
 
 
-def _check_positive_int(x, name):
-    if not isinstance(x, int | np.integer) or x < 1:
-        raise ValueError(f"{name} must be a positive integer, got {x!r}")
-
-
 def _check_widths(widths):
     widths = tuple(widths)
     if len(widths) < 2:
         raise ValueError(f"widths d_0 … d_L need at least 2 entries (depth >= 1), got {widths}")
     for w in widths:
-        _check_positive_int(w, "every width")
+        check_positive_int(w, "every width")
     return widths
 
-
-def _as_key(key):
-    if isinstance(key, int | np.integer):
-        return jax.random.key(int(key))
-    return key

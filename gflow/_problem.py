@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from ._checks import as_key, check_finite, check_positive_int
 from ._precision import default_dtype
 
 
@@ -88,9 +89,9 @@ def block_diagonal(
 
     This is the setting of Shin & Yun (2026): observations disconnected into n blocks.
     """
-    _check_positive_int(n, "n (number of blocks)")
-    _check_positive_int(s, "s (block size)")
-    _check_finite(value, "value")
+    check_positive_int(n, "n (number of blocks)")
+    check_positive_int(s, "s (block size)")
+    check_finite(value, "value")
     d = n * s
     mask = np.kron(np.eye(n), np.ones((s, s)))
     target = np.full((d, d), float(value))
@@ -109,14 +110,14 @@ def bernoulli(
 ) -> Problem:
     """Random rank-`rank` ground truth U Vᵀ (Gaussian factors scaled so entries are O(1)),
     each entry observed independently with probability `p` (redrawn if nothing is observed)."""
-    _check_positive_int(d_out, "d_out")
-    _check_positive_int(d_in, "d_in")
-    _check_positive_int(rank, "rank")
+    check_positive_int(d_out, "d_out")
+    check_positive_int(d_in, "d_in")
+    check_positive_int(rank, "rank")
     if not 0.0 < p <= 1.0:
         raise ValueError(f"density p must lie in (0, 1], got {p}")
     if rank > min(d_out, d_in):
         raise ValueError(f"rank {rank} exceeds min(d_out, d_in) = {min(d_out, d_in)}")
-    key = _as_key(key)
+    key = as_key(key)
     ku, kv, km, kn = jax.random.split(key, 4)
     dtype = dtype or default_dtype()
     u = jax.random.normal(ku, (d_out, rank), dtype=dtype)
@@ -141,23 +142,6 @@ def _with_noise(problem: Problem, noise: float, key) -> Problem:
         raise ValueError(f"noise must be a finite non-negative std, got {noise}")
     if noise == 0:
         return problem
-    eps = noise * jax.random.normal(_as_key(key), problem.shape, dtype=problem.target.dtype)
+    eps = noise * jax.random.normal(as_key(key), problem.shape, dtype=problem.target.dtype)
     return Problem(problem.target + problem.mask * eps, problem.mask, dtype=problem.target.dtype)
 
-
-def _as_key(key):
-    if key is None:
-        raise ValueError("a PRNG key (or integer seed) is required")
-    if isinstance(key, int | np.integer):
-        return jax.random.key(int(key))
-    return key
-
-
-def _check_positive_int(x, name):
-    if not isinstance(x, int | np.integer) or x < 1:
-        raise ValueError(f"{name} must be a positive integer, got {x!r}")
-
-
-def _check_finite(x, name):
-    if not math.isfinite(x):
-        raise ValueError(f"{name} must be finite, got {x!r}")

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import jax
 import numpy as np
 
+from ._checks import seed_keys
 from ._flow import FlowOptions, _compiled_solver, pad_depth, stack
 from ._init import gaussian, identity_family, orthogonal
 from ._measures import effective_rank_of, family_spectrum, stable_rank_of
@@ -50,6 +51,29 @@ DEPTH_MODES = ("auto", "compile", "pad")
 # Padding costs ~35 % more per step and saves one compilation (~5–10 s) per extra depth: it
 # pays up to grids of a few thousand flows (see `depth_mode`).
 PAD_MAX_FLOWS = 4096
+
+
+def _whole(v, low):
+    return isinstance(v, int | np.integer) and not isinstance(v, bool) and v >= low
+
+
+def _real(v):
+    return isinstance(v, int | float | np.number) and not isinstance(v, bool)
+
+
+_VALID = {
+    "alpha": (lambda a: _real(a) and math.isfinite(a) and a > 0, "finite and > 0"),
+    "m": (lambda m: _real(m) and m > 1, "> 1 (m = inf allowed)"),
+    "seed": (lambda s: _whole(s, 0), "an integer >= 0"),
+    "value": (lambda w: _real(w) and math.isfinite(w), "finite"),
+    "noise": (lambda s: _real(s) and math.isfinite(s) and s >= 0, "finite and >= 0"),
+    "density": (lambda p: _real(p) and 0 < p <= 1, "in (0, 1]"),
+    "depth": (lambda n: _whole(n, 1), "an integer >= 1"),
+    "dim": (lambda n: _whole(n, 1), "an integer >= 1"),
+    "blocks": (lambda n: _whole(n, 1), "an integer >= 1"),
+    "block_size": (lambda n: _whole(n, 1), "an integer >= 1"),
+    "rank": (lambda n: _whole(n, 1), "an integer >= 1"),
+}
 
 
 @dataclass(frozen=True)
@@ -104,14 +128,11 @@ class SweepSpec:
             raise ValueError(f"unknown depth_mode {self.depth_mode!r}; choose from {DEPTH_MODES}")
         if not (isinstance(self.chunk_size, int) and self.chunk_size >= 1):
             raise ValueError("chunk_size must be a positive integer")
-        # Models are built traced (vmapped over a chunk), where the builders cannot check
-        # their scalars: check them here, before any work.
-        for name, ok, rule in (
-            ("alpha", lambda a: math.isfinite(a) and a > 0, "finite and > 0"),
-            ("m", lambda m: m > 1, "> 1 (m = inf allowed)"),
-        ):
+        # Every value is checked here, before a store is created or any work done (models
+        # are built traced, where the builders could not check their scalars).
+        for name, (ok, rule) in _VALID.items():
             values = self.axes.get(name, (self.fixed.get(name, DEFAULTS[name]),))
-            bad = [v for v in values if not ok(float(v))]
+            bad = [v for v in values if not ok(v)]
             if bad:
                 raise ValueError(f"{name} must be {rule}, got {bad[0]!r}")
 
@@ -222,7 +243,7 @@ def _init(init_kind: str, d_in: int, d_out: int, depth: int, pad_to: int | None)
     """(seed, alpha, m) ↦ the initial model of a grid point; traceable in all three."""
 
     def init(seed, alpha, m):
-        k_init = jax.random.split(jax.random.key(seed))[1]
+        k_init = seed_keys(seed)[1]
         if init_kind == "identity":
             model = identity_family(d_in, depth, alpha, m)
         elif init_kind == "gaussian":
@@ -240,7 +261,7 @@ def _vmapped(init):
 
 
 def _build_problem(point: dict, problem_kind: str):
-    k_problem = jax.random.split(jax.random.key(int(point["seed"])))[0]
+    k_problem = seed_keys(int(point["seed"]))[0]
     if problem_kind == "diagonal":
         problem = block_diagonal(
             int(point["dim"]), 1, point["value"], noise=point["noise"], key=k_problem

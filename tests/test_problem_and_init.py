@@ -123,3 +123,40 @@ def test_model_validation():
         gflow.Factorization([np.ones((3, 2)), np.ones((3, 4))])
     with pytest.raises(ValueError, match="does not match|problem is"):
         gflow.flow(gflow.diagonal(3), gflow.identity_family(4, 2, 0.1))
+
+
+@pytest.mark.parametrize(
+    "problem_kind, init_kind", [("bernoulli", "gaussian"), ("diagonal", "orthogonal")]
+)
+def test_one_seed_means_the_same_problem_and_init_everywhere(problem_kind, init_kind):
+    """`gflow run --seed K`, a sweep's seed axis and the API with `gflow.seed_keys(K)` build the
+    same problem (mask, target, noise) and the same init, bit for bit."""
+    from gflow._cli import build_model, build_problem, make_parser
+    from gflow._sweep import DEFAULTS, build
+
+    seed, noise = 3, 0.1
+    problem_key, init_key = gflow.seed_keys(seed)
+    if problem_kind == "bernoulli":
+        api_problem = gflow.bernoulli(5, 5, 0.5, 2, problem_key, noise=noise)
+        cli_problem = ["--problem", "bernoulli", "--dim", "5", "--density", "0.5", "--rank", "2"]
+    else:
+        api_problem = gflow.diagonal(5, noise=noise, key=problem_key)
+        cli_problem = ["--problem", "diagonal", "--dim", "5"]
+    init = {"gaussian": gflow.gaussian, "orthogonal": gflow.orthogonal}[init_kind]
+    api_model = init([5] * 4, 0.1, init_key)
+    args = make_parser().parse_args(
+        ["run", *cli_problem, "--noise", str(noise), "--init", init_kind, "--alpha", "0.1"]
+        + ["--depth", "3", "--seed", str(seed)]
+    )
+    cli_problem = build_problem(args)
+    cli_model = build_model(args, cli_problem)
+    point = DEFAULTS | dict(dim=5, density=0.5, rank=2, noise=noise, alpha=0.1, depth=3, seed=seed)
+    sweep_problem, sweep_model = build(point, problem_kind, init_kind)
+    for problem in (cli_problem, sweep_problem):
+        np.testing.assert_array_equal(problem.target, api_problem.target)
+        np.testing.assert_array_equal(problem.mask, api_problem.mask)
+    for model in (cli_model, sweep_model):
+        for got, want in zip(model.layers, api_model.layers, strict=True):
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+        gflow.seed_keys(-1)

@@ -384,3 +384,25 @@ def test_a_worker_with_a_diverging_point_records_it_next_to_a_converging_one(tmp
     assert [r["status"] for r in reports] == [{"diverged": 1}, {"converged": 1}]
     ds = gflow.load_sweep(store)
     assert gflow.status_labels(ds["status"].values).tolist() == ["converged", "diverged"]
+
+
+@pytest.mark.parametrize(
+    "axes, message",
+    [
+        ({"depth": [2, -3]}, "depth must be an integer >= 1, got -3"),
+        ({"seed": [0, 1.5]}, "seed must be an integer >= 0"),
+        ({"density": [0.5, 0.0]}, "density must be in"),
+        ({"noise": [-0.1]}, "noise must be finite and >= 0"),
+    ],
+)
+def test_a_bad_axis_is_refused_before_the_store_exists(tmp_path, axes, message):
+    config = tmp_path / "bad.toml"
+    lines = [f"{k} = {v}" for k, v in axes.items()]
+    config.write_text("[axes]\n" + "\n".join(lines) + "\n")
+    store = tmp_path / "bad.zarr"
+    from gflow import _cli
+
+    assert _cli.main(["sweep", str(config), "--out", str(store), "--quiet"]) == 2
+    assert not store.exists()
+    with pytest.raises(ValueError, match=message):
+        gflow.SweepSpec(axes=axes)
