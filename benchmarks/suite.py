@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gflow
-from gflow._sweep import build
+from gflow.sweeps._build import build
 
 
 def _best_of(fn, *args, repeats=3, **kwargs):
@@ -428,14 +428,14 @@ def _depth_modes() -> dict:
     out = {}
     for mode in ("compile", "pad"):
         spec = gflow.SweepSpec(axes=axes, fixed={"dim": 8}, chunk_size=64, depth_mode=mode)
-        before = gflow._flow.COMPILE_COUNT["flow"]
+        before = gflow.compile_count()
         start = time.perf_counter()
         ds = gflow.sweep(spec, progress=False)
         wall = time.perf_counter() - start
         out[mode] = {
             "flows": spec.size,
             "wall_s_with_compilation": wall,
-            "compilations": gflow._flow.COMPILE_COUNT["flow"] - before,
+            "compilations": gflow.compile_count() - before,
             "batch_efficiency": float(ds["batch_efficiency"].mean()),
             "converged": int((ds["status"].values == 0).sum()),
         }
@@ -551,7 +551,7 @@ def startup(quick: bool) -> dict:
     import sys
     import tempfile
 
-    argv = [sys.executable, "-m", "gflow._cli", "run", "--depth", "3", "--alpha", "1e-3", "--json"]
+    argv = [sys.executable, "-m", "gflow.cli", "run", "--depth", "3", "--alpha", "1e-3", "--json"]
     repeats = 1 if quick else 3
 
     def call(env_extra, command=argv):

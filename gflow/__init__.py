@@ -1,82 +1,88 @@
-"""gflow: exact continuous-time gradient flow on deep matrix factorizations."""
+"""gflow: exact continuous-time gradient flow on deep matrix factorizations.
+
+Data flows one way: a `Problem` (target and mask) and a `Factorization` (an initialisation)
+go into `flow`, which returns a `FlowResult`; `gflow.analysis` reads its endpoint (ranks,
+theory, coupling, certificates); sweeps run grids of flows; `gflow.studies` holds the paper's
+plasticity study and the report of `gflow reproduce`.
+"""
 
 from importlib.metadata import version as _version
 
-from . import _cache as _cache  # noqa: F401, I001  (the persistent compilation cache)
-from . import _flow as _flow
-from . import _precision as _precision  # noqa: F401  (switches on float64)
-from ._flow import FlowOptions as FlowOptions
-from ._flow import flow as flow
-from ._flow import flow_batch as flow_batch
-from ._flow import pad_depth as pad_depth
-from ._flow import solve as solve
-from ._flow import stack as stack
-from ._init import gaussian as gaussian
-from ._init import identity_family as identity_family
-from ._init import load_init as load_init
-from ._init import orthogonal as orthogonal
-from ._model import Factorization as Factorization
-from ._model import loss_hessian as loss_hessian
-from ._problem import Problem as Problem
-from ._problem import bernoulli as bernoulli
-from ._problem import block_diagonal as block_diagonal
-from ._problem import diagonal as diagonal
-from ._problem import load_problem as load_problem
-from ._result import FlowResult as FlowResult
-from ._result import Phase as Phase
-from ._result import Status as Status
-from ._result import Trajectory as Trajectory
+from . import _precision  # noqa: F401  (switches JAX to float64)
+from . import analysis as analysis
+from . import engine as engine
+from . import studies as studies
+from . import sweeps as sweeps
+from ._checks import seed_keys as seed_keys
+from .analysis import *  # noqa: F403  (the analysis functions stay at the top level)
+from .descent import OPTIMIZERS as OPTIMIZERS
+from .descent import DescentOptions as DescentOptions
+from .descent import descend as descend
+from .descent import endpoint_distance as endpoint_distance
+from .descent import loglog_slope as loglog_slope
+from .engine import FlowOptions as FlowOptions
+from .engine import FlowResult as FlowResult
+from .engine import Phase as Phase
+from .engine import Status as Status
+from .engine import Trajectory as Trajectory
+from .engine import compile_count as compile_count
+from .engine import flow as flow
+from .engine import flow_batch as flow_batch
+from .engine import pad_depth as pad_depth
+from .engine import solve as solve
+from .engine import stack as stack
+from .inits import gaussian as gaussian
+from .inits import identity_family as identity_family
+from .inits import load_init as load_init
+from .inits import orthogonal as orthogonal
+from .model import Factorization as Factorization
+from .model import loss_hessian as loss_hessian
+from .problem import Problem as Problem
+from .problem import bernoulli as bernoulli
+from .problem import block_diagonal as block_diagonal
+from .problem import diagonal as diagonal
+from .problem import load_problem as load_problem
+from .sweeps import *  # noqa: F403
 
 __version__ = _version("gflow")
-from ._certificates import balancedness as balancedness
-from ._certificates import balancedness_drift as balancedness_drift
-from ._certificates import certificates as certificates
-from ._certificates import energy_residual as energy_residual
-from ._checks import seed_keys as seed_keys
-from ._compare import FamilyConfig as FamilyConfig
-from ._compare import compare_family as compare_family
-from ._compare import compare_family_batch as compare_family_batch
-from ._compare import format_table as format_table
-from ._compare import plot_rank_vs_alpha as plot_rank_vs_alpha
-from ._coupling import CouplingReport as CouplingReport
-from ._coupling import bipartite_components as bipartite_components
-from ._coupling import coupling as coupling
-from ._coupling import gram as gram
-from ._coupling import trajectory_coupling as trajectory_coupling
-from ._coupling import trajectory_models as trajectory_models
-from ._descend import OPTIMIZERS as OPTIMIZERS
-from ._descend import DescentOptions as DescentOptions
-from ._descend import descend as descend
-from ._descend import endpoint_distance as endpoint_distance
-from ._descend import loglog_slope as loglog_slope
-from ._measures import effective_rank as effective_rank
-from ._measures import effective_rank_of as effective_rank_of
-from ._measures import family_eigenvalues as family_eigenvalues
-from ._measures import family_ranks as family_ranks
-from ._measures import family_spectrum as family_spectrum
-from ._measures import nuclear_norm as nuclear_norm
-from ._measures import singular_values as singular_values
-from ._measures import stable_rank as stable_rank
-from ._measures import stable_rank_of as stable_rank_of
-from ._measures import unobserved_error as unobserved_error
-from ._plasticity import PlasticityResult as PlasticityResult
-from ._plasticity import connected_superset_mask as connected_superset_mask
-from ._plasticity import dxd_study as dxd_study
-from ._plasticity import plasticity as plasticity
-from ._plasticity import two_by_two_problem as two_by_two_problem
-from ._plasticity import two_by_two_warm_curve as two_by_two_warm_curve
-from ._sweep import SweepSpec as SweepSpec
-from ._sweep import export_table as export_table
-from ._sweep import load_spec as load_spec
-from ._sweep import load_sweep as load_sweep
-from ._sweep import status_labels as status_labels
-from ._sweep import sweep as sweep
-from ._sweep import sweep_summary as sweep_summary
-from ._theory import FamilyLimit as FamilyLimit
-from ._theory import diagonal_l2_limit as diagonal_l2_limit
-from ._theory import escape_time as escape_time
-from ._theory import family_invariant as family_invariant
-from ._theory import family_limit as family_limit
-from ._theory import family_prediction as family_prediction
-from ._theory import reduced_flow as reduced_flow
-from ._theory import sigma_c_at as sigma_c_at
+
+__all__ = [
+    # problem → model → flow
+    "Problem",
+    "diagonal",
+    "block_diagonal",
+    "bernoulli",
+    "load_problem",
+    "Factorization",
+    "loss_hessian",
+    "identity_family",
+    "gaussian",
+    "orthogonal",
+    "load_init",
+    "seed_keys",
+    "FlowOptions",
+    "FlowResult",
+    "Phase",
+    "Status",
+    "Trajectory",
+    "flow",
+    "flow_batch",
+    "solve",
+    "stack",
+    "pad_depth",
+    "compile_count",
+    # discrete optimizers, for comparison
+    "DescentOptions",
+    "OPTIMIZERS",
+    "descend",
+    "endpoint_distance",
+    "loglog_slope",
+    # analysis and sweeps (also as gflow.analysis, gflow.sweeps)
+    *analysis.__all__,
+    *sweeps.__all__,
+    # submodules
+    "analysis",
+    "engine",
+    "studies",
+    "sweeps",
+]

@@ -38,7 +38,7 @@ print(
 )
 
 # %% [markdown]
-# The endpoint against the implicit singular-value equations (theory.md §3), σ_B measured from
+# The endpoint against the implicit singular-value equations (docs/theory.md §3), σ_B measured from
 # the layers, and the conservation-law certificates.
 
 # %%

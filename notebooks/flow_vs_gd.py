@@ -14,7 +14,7 @@
 # integrates the flow itself, so we can measure how small is small enough.
 #
 # * On the identity family with depth 2 the ratio λ_A/λ_B is conserved *exactly* by GD, so the
-#   GD limit equals the flow's for every stable step (theory.md §8).
+#   GD limit equals the flow's for every stable step (docs/theory.md §8).
 # * For depth ≥ 3 GD carries an O(lr) bias: the endpoint error scales like lr¹.
 # * The depth-induced low-rank bias holds for SGD, Adam and RMSProp alike.
 #

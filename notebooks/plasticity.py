@@ -14,7 +14,7 @@
 # high-rank solution. Resumed with more observations it trains lazily — it barely moves — and
 # keeps the high rank; for m > m* ≈ 50 it even gets the sign of the unobserved entry wrong.
 # Depth ≥ 3 avoids this, but only when pretraining was coupled (m < ∞). Exact numbers:
-# theory.md §7. Set `GFLOW_NOTEBOOK_SMALL=1` for CI sizes.
+# docs/theory.md §7. Set `GFLOW_NOTEBOOK_SMALL=1` for CI sizes.
 
 # %%
 import math
@@ -37,9 +37,9 @@ OUT.mkdir(parents=True, exist_ok=True)
 # ## 2×2: the warm-start table and the wrong-sign threshold
 
 # %%
-problem, pretrain_mask = gflow.two_by_two_problem()
+problem, pretrain_mask = gflow.studies.two_by_two_problem()
 for m in (2.0, 4.0, 16.0, math.inf):
-    r = gflow.plasticity(problem, pretrain_mask, gflow.identity_family(2, 2, 0.1, m))
+    r = gflow.studies.plasticity(problem, pretrain_mask, gflow.identity_family(2, 2, 0.1, m))
     print(
         f"m = {m:>4}: warm X21 = {r.warm.unobserved_values['1,0']:+.9f}, "
         f"stable rank {r.warm.stable_rank:.6f}, moved {r.warm.distance_travelled:.3f}; "
@@ -47,7 +47,7 @@ for m in (2.0, 4.0, 16.0, math.inf):
     )
 
 ms = np.geomspace(1.5, 400, 12 if SMALL else 40)
-curves = {depth: gflow.two_by_two_warm_curve(depth, ms) for depth in (2, 3)}
+curves = {depth: gflow.studies.two_by_two_warm_curve(depth, ms) for depth in (2, 3)}
 
 fig, ax = plt.subplots(figsize=(5.5, 4), constrained_layout=True)
 for depth, values in curves.items():
@@ -67,7 +67,7 @@ assert curves[2][ms > 60].max() < 0 < curves[2][ms < 40].min()
 # %%
 d = 6 if SMALL else 12
 depths = (2, 3) if SMALL else (2, 3, 4, 5)
-rows = gflow.dxd_study(d, depths, (0.1,), seed=0)
+rows = gflow.studies.dxd_study(d, depths, (0.1,), seed=0)
 for row in rows:
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
 
@@ -110,7 +110,7 @@ if not SMALL:
     for depth in (2, 3):
         for alpha in (0.3, 0.1):
             init = gflow.gaussian([d] * (depth + 1), alpha, key=3)
-            r = gflow.plasticity(problem, half.reshape(d, d), init, judge_trajectory=False)
+            r = gflow.studies.plasticity(problem, half.reshape(d, d), init, judge_trajectory=False)
             mse = {
                 k: float(np.mean((np.asarray(r.models[k].product())[off] - truth_values) ** 2))
                 for k in ("warm", "cold")

@@ -11,7 +11,7 @@ import gflow
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_depth2_diagonal_closed_form_on_random_inits(seed):
-    """theory.md §6a: any init, unequal and negative targets."""
+    """docs/theory.md §6: any init, unequal and negative targets."""
     d = 4
     rng = np.random.default_rng(seed)
     targets = np.array([1.0, -0.7, 2.5, 0.4]) * rng.uniform(0.8, 1.2, d)
@@ -77,7 +77,7 @@ def test_comparison_table_and_figure(tmp_path):
     assert fig.axes[0].get_xscale() == "log" and fig.axes[0].get_xlabel()
 
 
-# ---- coupling verdicts (theory.md §10) ----------------------------------------------------
+# ---- coupling verdicts (docs/theory.md §10) ----------------------------------------------------
 
 
 @pytest.mark.parametrize("depth, expected_groups", [(2, 5), (3, 1), (4, 1)])
@@ -134,7 +134,7 @@ def test_gram_matches_autodiff():
 
     problem = gflow.bernoulli(5, 4, 0.5, 1, key=2)
     model = gflow.gaussian([4, 3, 6, 5], 1.0, key=5)
-    obs = gflow._coupling.observations(problem)
+    obs = gflow.analysis._coupling.observations(problem)
     jac = jax.jacrev(lambda f: f.product())(model)
     flat = jnp.concatenate([j.reshape(5, 4, -1) for j in jax.tree_util.tree_leaves(jac)], axis=-1)
     rows = flat[obs[:, 0], obs[:, 1]]

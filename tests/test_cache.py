@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-ARGV = [sys.executable, "-m", "gflow._cli", "run", "--depth", "3", "--alpha", "1e-3", "--json"]
+ARGV = [sys.executable, "-m", "gflow.cli", "run", "--depth", "3", "--alpha", "1e-3", "--json"]
 
 
 def _run(cache, *extra):

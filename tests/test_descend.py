@@ -1,4 +1,4 @@
-"""Discrete optimizers against the flow and against theory.md §8–9."""
+"""Discrete optimizers against the flow and against docs/theory.md §8–9."""
 
 import math
 import os
@@ -41,7 +41,7 @@ def test_custom_optax_transformation_matches_preset():
 
 
 def test_gd_bias_on_identity_family_matches_theory():
-    """theory.md §8: L = 3, n = 2, s = 2, α = 0.1, η = 0.05 → σ_B = 1.875e-3 (flow 1.781e-3)."""
+    """docs/theory.md §8: L = 3, n = s = 2, α = 0.1, η = 0.05 → σ_B = 1.875e-3 (flow 1.781e-3)."""
     problem, init = gflow.block_diagonal(2, 2), gflow.identity_family(4, 3, 0.1, 4.0)
     gd = gflow.descend(problem, init, lr=0.05, t_max=2000.0)
     assert gd.status_label == "t_max"  # the C modes decay only algebraically
@@ -77,7 +77,7 @@ def test_endpoint_error_and_balancedness_drift_scale_like_lr(random_case):
 
 
 def test_balancedness_changes_by_exactly_eta_squared_term_per_step():
-    """D^{k+1} − D^k = η²(G_{l+1}ᵀG_{l+1} − G_l G_lᵀ) (theory.md §9)."""
+    """D^{k+1} − D^k = η²(G_{l+1}ᵀG_{l+1} − G_l G_lᵀ) (docs/theory.md §9)."""
     problem = gflow.bernoulli(4, 4, 0.7, 1, key=5)
     init = gflow.gaussian([4, 4, 4, 4], 0.6, key=6)
     lr = 0.03

@@ -11,7 +11,7 @@ import pytest
 from reference import reference_flow
 
 import gflow
-import gflow._cli
+import gflow.cli
 
 ALPHAS = [1e-4, 1e-3, 1e-2, 0.1, 0.3]
 MS = [1.5, 2.0, 4.0, 16.0, math.inf]
@@ -74,7 +74,7 @@ def test_block_problem_at_finite_time_matches_exact_modes():
 
 
 def test_trajectory_checkpoints_of_theory_table_t5():
-    """theory.md T5: (L, n, s, m, α) = (3, 4, 1, 4, 0.1) at t = 1 and 5."""
+    """Reference table T5 (shared theory notes): (L, n, s, m, α) = (3, 4, 1, 4, 0.1), t = 1, 5."""
     problem = gflow.diagonal(4)
     model = gflow.identity_family(4, 3, 0.1, 4.0)
     for t, lam_a, lam_b, loss in [
@@ -110,10 +110,10 @@ def test_stopping_rule_is_scale_aware():
     """The remaining-distance ratio is huge on the plateau of a small init and ≤ 1 at the end."""
     problem = gflow.diagonal(3)
     init = gflow.identity_family(3, 5, 1e-3, 4.0)
-    ratio0 = gflow._flow.remaining_distance_ratio(init, problem, 1e-10, 1e-15)
+    ratio0 = gflow.engine.remaining_distance_ratio(init, problem, 1e-10, 1e-15)
     assert float(ratio0) > 1e10
     r = gflow.flow(problem, init)
-    assert float(gflow._flow.remaining_distance_ratio(r.model, problem, 1e-10, 1e-15)) < 1e3
+    assert float(gflow.engine.remaining_distance_ratio(r.model, problem, 1e-10, 1e-15)) < 1e3
 
 
 @pytest.mark.parametrize("solver", ["dopri5", "dopri8"])
@@ -133,7 +133,7 @@ def test_stiff_solver_runs():
     assert r.status_label == "converged"
     np.testing.assert_allclose(
         float(r.model.product()[0, 1]), 2 * 4 / 17, rtol=1e-7
-    )  # theory.md §2: X₁₂ = 2m/(m²+1)
+    )  # docs/theory.md §2: X₁₂ = 2m/(m²+1)
 
 
 def test_balancedness_conserved_along_trajectory():
@@ -158,7 +158,7 @@ def test_runge_kutta_loop_on_a_linear_system():
     import diffrax
     import jax.scipy.linalg as jsl
 
-    from gflow._runge_kutta import MAX_STEPS, REACHED_END, STOPPED, integrate
+    from gflow.engine._runge_kutta import MAX_STEPS, REACHED_END, STOPPED, integrate
 
     a = jnp.array([[-1.0, 2.0], [-2.0, -1.0]])  # a decaying rotation
     y0 = {"y": jnp.array([1.0, 0.5])}
@@ -235,7 +235,7 @@ def test_cli_file_inputs_match_independent_reference(tmp_path, capsys, depth, al
     argv = ["run", "--problem", "file", "--target", str(tmp_path / "target.npy")]
     argv += ["--mask", str(tmp_path / "mask.npy"), "--init", "file"]
     argv += ["--init-file", str(tmp_path / "init.npy"), "--json"]
-    assert gflow._cli.main(argv) == 0
+    assert gflow.cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["status"] == "converged"
     ref_layers, ref_loss = reference_flow(
@@ -279,7 +279,7 @@ def test_cli_file_inputs_match_independent_reference(tmp_path, capsys, depth, al
     ],
 )
 def test_cli_bad_options_exit_2_with_one_line(capsys, argv, message):
-    assert gflow._cli.main(argv) == 2
+    assert gflow.cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
 
@@ -293,7 +293,8 @@ def test_float64_is_the_default():
 def test_a_horizon_reached_on_the_loss_clock_is_t_max_not_failed():
     """Locating t = t_max on the loss clock is a root find on t(τ); with t − t_max it asked for
     an absolute 1e-12 at t = 1e4 (one ulp: 1.8e-12), never converged, and said `failed`."""
-    from gflow._sweep import DEFAULTS, build
+    from gflow.sweeps._build import build
+    from gflow.sweeps._spec import DEFAULTS
 
     point = DEFAULTS | dict(blocks=3, block_size=2, depth=5, alpha=0.003, seed=0)
     problem, model = build(point, "block-diagonal", "gaussian")  # failed in `gflow reproduce`
@@ -307,7 +308,7 @@ def test_a_horizon_reached_on_the_loss_clock_is_t_max_not_failed():
 
 
 def test_status_messages_name_the_phase_and_the_integrators_reason():
-    from gflow._result import status_message
+    from gflow.engine._result import status_message
 
     failed = status_message(gflow.Status.FAILED, gflow.Phase.STIFF_TAIL, 7)
     assert failed.startswith("failed in the stiff tail phase: the integrator reported: ")
@@ -315,3 +316,21 @@ def test_status_messages_name_the_phase_and_the_integrators_reason():
     assert status_message(-1, 0, 0) == "pending: not computed yet"
     result = gflow.flow(gflow.diagonal(3), gflow.identity_family(3, 2, 0.1, 4.0))
     assert result.status_message.startswith("converged in the explicit phase")
+
+
+def test_options_are_checked_not_rewritten_and_take_a_diffrax_solver():
+    import diffrax
+
+    options = gflow.FlowOptions(save_ts=[0, 1.5, 3])
+    assert options.clock == "auto" and options.clock_in_use == "physical"
+    assert options.save_ts == (0.0, 1.5, 3.0)
+    with pytest.raises(ValueError, match="save_ts"):
+        gflow.FlowOptions(save_ts=[2.0, 1.0])
+    with pytest.raises(ValueError, match="solver must be a name or a diffrax solver"):
+        gflow.FlowOptions(solver=3)
+    problem, model = gflow.diagonal(3), gflow.identity_family(3, 2, 0.1, 4.0)
+    named = gflow.flow(problem, model, solver="euler", dt=0.05)
+    given = gflow.flow(problem, model, solver=diffrax.Euler(), dt=0.05)
+    assert named.status_label == given.status_label == "converged"
+    assert int(named.num_steps) == int(given.num_steps)
+    np.testing.assert_array_equal(named.model.layers[0], given.model.layers[0])

@@ -1,4 +1,4 @@
-"""Loss of plasticity (theory.md §7) and robustness references (§6b) by the full engine."""
+"""Loss of plasticity (docs/theory.md §7) and robustness references (§6b) by the full engine."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gflow
-import gflow._cli
+import gflow.cli
 
 TABLE_7 = [  # m, warm X₂₁(∞), σ₁, σ₂, stable rank, ‖ΔW‖/‖W‖
     (2.0, 0.705842682347, 1.863679537718, 0.157836855371, 1.0071725629, 0.083),
@@ -18,13 +18,13 @@ TABLE_7 = [  # m, warm X₂₁(∞), σ₁, σ₂, stable rank, ‖ΔW‖/‖W�
 
 @pytest.fixture(scope="module")
 def two_by_two():
-    return gflow.two_by_two_problem()
+    return gflow.studies.two_by_two_problem()
 
 
 @pytest.mark.parametrize("m, x21, s1, s2, srank, moved", TABLE_7)
 def test_depth2_warm_start_table(two_by_two, m, x21, s1, s2, srank, moved):
     problem, pretrain_mask = two_by_two
-    r = gflow.plasticity(problem, pretrain_mask, gflow.identity_family(2, 2, 0.1, m))
+    r = gflow.studies.plasticity(problem, pretrain_mask, gflow.identity_family(2, 2, 0.1, m))
     assert r.pretrain.coupling.startswith("decoupled")
     assert r.warm.status == "converged"
     np.testing.assert_allclose(r.warm.unobserved_values["1,0"], x21, rtol=0, atol=1e-8)
@@ -39,7 +39,7 @@ def test_pretraining_does_not_depend_on_alpha(two_by_two):
     problem, pretrain_mask = two_by_two
     ends = []
     for alpha in (0.3, 0.1, 0.01):
-        r = gflow.plasticity(
+        r = gflow.studies.plasticity(
             problem, pretrain_mask, gflow.identity_family(2, 2, alpha, 4.0), judge_trajectory=False
         )
         ends.append(r.warm.unobserved_values["1,0"])
@@ -47,7 +47,9 @@ def test_pretraining_does_not_depend_on_alpha(two_by_two):
 
 
 def warm_x21(problem, mask, m):
-    r = gflow.plasticity(problem, mask, gflow.identity_family(2, 2, 0.1, m), judge_trajectory=False)
+    r = gflow.studies.plasticity(
+        problem, mask, gflow.identity_family(2, 2, 0.1, m), judge_trajectory=False
+    )
     return r.warm.unobserved_values["1,0"]
 
 
@@ -84,11 +86,11 @@ def test_cold_starts(two_by_two, depth, m, values):
 def test_depth3_warm_start_recovers_only_after_coupled_pretraining(two_by_two):
     problem, mask = two_by_two
     for alpha, want in ((0.1, 0.991340358239), (0.01, 0.999987387946)):
-        r = gflow.plasticity(problem, mask, gflow.identity_family(2, 3, alpha, 4.0))
+        r = gflow.studies.plasticity(problem, mask, gflow.identity_family(2, 3, alpha, 4.0))
         assert r.pretrain.coupling == "coupled"
         np.testing.assert_allclose(r.warm.unobserved_values["1,0"], want, atol=1e-8)
     for alpha in (0.1, 0.01):
-        r = gflow.plasticity(problem, mask, gflow.identity_family(2, 3, alpha, math.inf))
+        r = gflow.studies.plasticity(problem, mask, gflow.identity_family(2, 3, alpha, math.inf))
         assert r.pretrain.coupling.startswith("decoupled")
         np.testing.assert_allclose(r.warm.unobserved_values["1,0"], -0.049488016872, atol=1e-8)
 
@@ -106,7 +108,7 @@ def test_depth3_warm_start_recovers_only_after_coupled_pretraining(two_by_two):
     ],
 )
 def test_unequal_diagonal_targets(depth, alpha, x12):
-    """theory.md §6b: w = (1, 4) on the diagonal, init αF₄; the rank-1 completion has X₁₂ = 2."""
+    """docs/theory.md §6: w = (1, 4) on the diagonal, init αF₄; rank-1 completion: X₁₂ = 2."""
     problem = gflow.Problem(np.array([[1.0, 2.0], [2.0, 4.0]]), np.eye(2))
     r = gflow.flow(problem, gflow.identity_family(2, depth, alpha, 4.0))
     assert r.status_label == "converged"
@@ -126,15 +128,15 @@ def test_noisy_observations_depth_still_lowers_rank():
 def test_plasticity_validation(two_by_two):
     problem, _ = two_by_two
     with pytest.raises(ValueError, match="contained"):
-        gflow.plasticity(problem, np.ones((2, 2)), gflow.identity_family(2, 2, 0.1, 4.0))
+        gflow.studies.plasticity(problem, np.ones((2, 2)), gflow.identity_family(2, 2, 0.1, 4.0))
     with pytest.raises(ValueError, match="shape"):
-        gflow.plasticity(problem, np.eye(3), gflow.identity_family(2, 2, 0.1, 4.0))
+        gflow.studies.plasticity(problem, np.eye(3), gflow.identity_family(2, 2, 0.1, 4.0))
 
 
 def test_plasticity_cli_2x2(capsys):
     import json
 
-    assert gflow._cli.main(["plasticity", "--depths", "2", "--ms", "2", "inf", "--json"]) == 0
+    assert gflow.cli.main(["plasticity", "--depths", "2", "--ms", "2", "inf", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     x21 = [r["warm"]["unobserved_values"]["1,0"] for r in rows]
     np.testing.assert_allclose(x21, [0.705842682347, -0.034715573932], atol=1e-8)

@@ -131,8 +131,9 @@ def test_model_validation():
 def test_one_seed_means_the_same_problem_and_init_everywhere(problem_kind, init_kind):
     """`gflow run --seed K`, a sweep's seed axis and the API with `gflow.seed_keys(K)` build the
     same problem (mask, target, noise) and the same init, bit for bit."""
-    from gflow._cli import build_model, build_problem, make_parser
-    from gflow._sweep import DEFAULTS, build
+    from gflow.cli import build_model, build_problem, make_parser
+    from gflow.sweeps._build import build
+    from gflow.sweeps._spec import DEFAULTS
 
     seed, noise = 3, 0.1
     problem_key, init_key = gflow.seed_keys(seed)

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import gflow
-import gflow._cli
+import gflow.cli
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
@@ -25,11 +25,11 @@ def test_quick_start_commands_are_the_ci_commands():
 
 
 def test_theory_cli(capsys):
-    assert gflow._cli.main(["theory", "--depth", "6", "--alpha", "1e-4", "--dim", "4"]) == 0
+    assert gflow.cli.main(["theory", "--depth", "6", "--alpha", "1e-4", "--dim", "4"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert abs(report["sigma_b"] / 1.8738026254e-25 - 1) < 1e-9
     assert (
-        gflow._cli.main(
+        gflow.cli.main(
             [
                 "theory",
                 "--problem",
@@ -53,7 +53,7 @@ def test_theory_cli(capsys):
 
 
 def test_sweep_example_config_prints_and_parses(capsys, tmp_path):
-    assert gflow._cli.main(["sweep", "--example"]) == 0
+    assert gflow.cli.main(["sweep", "--example"]) == 0
     text = capsys.readouterr().out
     path = tmp_path / "example.toml"
     path.write_text(text)

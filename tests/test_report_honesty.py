@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gflow
-from gflow import _reproduce
+from gflow.studies import _reproduce
 
 matplotlib.use("Agg")
 

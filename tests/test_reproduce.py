@@ -5,13 +5,13 @@ import json
 import pytest
 
 import gflow
-import gflow._cli
+import gflow.cli
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
-    assert gflow._cli.main(["reproduce", "--quick", "--out", str(out), "--quiet"]) == 0
+    assert gflow.cli.main(["reproduce", "--quick", "--out", str(out), "--quiet"]) == 0
     return out
 
 

@@ -8,7 +8,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import gflow
-from gflow._rosenbrock import Rodas4
+from gflow.engine import Rodas4
 
 # (linear_solver, symmetric): dense LU, dense Cholesky, matrix-free CG.
 LINEAR_ALGEBRA = [("dense", False), ("dense", True), ("cg", True)]

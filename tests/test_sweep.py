@@ -14,7 +14,7 @@ import pytest
 import xarray as xr
 
 import gflow
-from gflow._sweep import build, build_chunk
+from gflow.sweeps._build import build, build_chunk
 
 SPEC = gflow.SweepSpec(
     axes={"depth": [2, 3], "alpha": [0.1, 1e-2, 1e-3], "m": [4.0, math.inf]},
@@ -26,10 +26,10 @@ SPEC = gflow.SweepSpec(
 
 @pytest.fixture(scope="module")
 def small_sweep(tmp_path_factory):
-    before = gflow._flow.COMPILE_COUNT["flow"]
+    before = gflow.compile_count()
     out = tmp_path_factory.mktemp("sweep") / "grid.zarr"
     ds = gflow.sweep(SPEC, out, progress=False)
-    return ds, out, gflow._flow.COMPILE_COUNT["flow"] - before
+    return ds, out, gflow.compile_count() - before
 
 
 def test_grid_dims_and_statuses(small_sweep):
@@ -68,7 +68,7 @@ def test_one_compilation_per_depth(small_sweep):
 def test_workers_share_one_store(small_sweep, tmp_path):
     ds, _, _ = small_sweep
     out = tmp_path / "shared.zarr"
-    chunks = len(gflow._sweep.execution_order(SPEC))
+    chunks = len(gflow.sweeps._spec.execution_order(SPEC))
     first = gflow.sweep(SPEC, out, progress=False, worker=(0, 2))
     done = first["done"].values
     assert 0 < done.sum() < done.size  # worker 0 ran only its chunks (k mod 2 == 0)
@@ -83,9 +83,9 @@ def test_depth_padding_gives_the_same_grid_from_one_program(small_sweep):
     ds, _, _ = small_sweep
     padded_spec = gflow.SweepSpec(**{**SPEC.__dict__, "depth_mode": "auto"})  # small: pads
     assert padded_spec.pads_depths
-    before = gflow._flow.COMPILE_COUNT["flow"]
+    before = gflow.compile_count()
     padded = gflow.sweep(padded_spec, progress=False)
-    assert gflow._flow.COMPILE_COUNT["flow"] - before == 1
+    assert gflow.compile_count() - before == 1
     assert np.all(padded["status"].values == gflow.Status.CONVERGED)
     sigma, sigma_padded = ds["sigma"].values[..., :3], padded["sigma"].values[..., :3]
     floor = 1e-14 * sigma[..., :1]  # the SVD's own resolution
@@ -120,9 +120,9 @@ def test_existing_store_needs_resume_and_resume_is_a_no_op(small_sweep):
     _, out, _ = small_sweep
     with pytest.raises(FileExistsError):
         gflow.sweep(SPEC, out, progress=False)
-    before = gflow._flow.COMPILE_COUNT["flow"]
+    before = gflow.compile_count()
     again = gflow.sweep(SPEC, out, resume=True, progress=False)
-    assert gflow._flow.COMPILE_COUNT["flow"] == before  # nothing recomputed
+    assert gflow.compile_count() == before  # nothing recomputed
     assert np.all(again["done"].values)
 
 
@@ -214,7 +214,7 @@ def test_sigkill_midway_then_resume_loses_and_repeats_nothing(tmp_path):
     config = tmp_path / "kill.toml"
     config.write_text(KILL_CONFIG)
     store = tmp_path / "kill.zarr"
-    cmd = [sys.executable, "-m", "gflow._cli", "sweep", str(config), "--out", str(store), "--quiet"]
+    cmd = [sys.executable, "-m", "gflow.cli", "sweep", str(config), "--out", str(store), "--quiet"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 240
     done = None
@@ -280,9 +280,9 @@ def test_the_512_flow_grid_completes_with_a_status_everywhere(tmp_path):
         fixed={"dim": 8},
         chunk_size=64,
     )
-    before = gflow._flow.COMPILE_COUNT["flow"]
+    before = gflow.compile_count()
     ds = gflow.sweep(spec, tmp_path / "grid.zarr", progress=False)
-    assert gflow._flow.COMPILE_COUNT["flow"] - before <= 4
+    assert gflow.compile_count() - before <= 4
     assert ds["status"].size == 512 and np.all(ds["status"].values >= 0)
     for depth, alpha, m in [(2, 0.1, 2.0), (5, 1e-4, 16.0)]:
         a = float(ds["alpha"].values[np.argmin(np.abs(ds["alpha"].values - alpha))])
@@ -325,7 +325,7 @@ DIVERGING_CONFIG = textwrap.dedent(
 
 
 def _start_worker(config, store, worker):
-    cmd = [sys.executable, "-m", "gflow._cli", "sweep", str(config), "--out", str(store)]
+    cmd = [sys.executable, "-m", "gflow.cli", "sweep", str(config), "--out", str(store)]
     cmd += ["--quiet", "--worker", worker]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

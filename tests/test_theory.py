@@ -1,4 +1,4 @@
-"""The theory module against theory.md's tables and 60-digit mpmath solutions."""
+"""The theory module against the shared theory notes' tables and 60-digit mpmath solutions."""
 
 import itertools
 import math
@@ -99,7 +99,7 @@ def test_table_t4(row):
 
 
 def test_table_t4_sigma_c_example():
-    lam_c = math.exp(gflow._theory.log_lambda_c_at(3, 2, 2, 0.1, 4.0, 1000.0))
+    lam_c = math.exp(gflow.analysis._theory.log_lambda_c_at(3, 2, 2, 0.1, 4.0, 1000.0))
     assert close(lam_c, 0.0727985016532, 12)
     assert close(float(gflow.sigma_c_at(3, 2, 2, 0.1, 4.0, 1000.0)), 3.858045295e-4, 10)
 
@@ -179,7 +179,7 @@ def test_family_limit_validation():
 
 
 def test_reduced_ode_matches_theory_checkpoints_t5():
-    """theory.md T5 by the independent 3-scalar integrator."""
+    """the reference table T5 (shared theory notes) by the independent 3-scalar integrator."""
     cases = [
         (
             (2, 4, 1, 4, 0.1),
@@ -198,5 +198,5 @@ def test_reduced_ode_matches_theory_checkpoints_t5():
             np.testing.assert_allclose(lam[k + 1, :2], [la, lb], rtol=1e-11)
     lam = gflow.reduced_flow(4, 2, 2, 0.2, 4.0, 1.0, [0.0, 1.0, 5.0])
     np.testing.assert_allclose(lam[1:, 2], [1.4999829147436e-01, 1.4999145873375e-01], rtol=1e-11)
-    loss = gflow._theory.reduced_loss(4, 2, 2, 1.0, lam[1:])
+    loss = gflow.analysis._theory.reduced_loss(4, 2, 2, 1.0, lam[1:])
     np.testing.assert_allclose(loss, [3.8858517774e00, 2.5617233733e-07], rtol=1e-9)

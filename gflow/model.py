@@ -7,9 +7,10 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
-from ._problem import Problem
+from .problem import Problem
 
 
 class Factorization(eqx.Module):
@@ -66,6 +67,19 @@ class Factorization(eqx.Module):
             )
 
 
+def partial_products(layers) -> tuple[list, list]:
+    """(B, A) with B[l] = W_{l−1}⋯W_1 and A[l] = W_L⋯W_{l+1} (empty products are identities),
+    so that X = A[l] W_l B[l]; NumPy layers give NumPy products."""
+    module = np if all(isinstance(w, np.ndarray) for w in layers) else jnp
+    below = [module.eye(layers[0].shape[1], dtype=layers[0].dtype)]
+    for w in layers[:-1]:
+        below.append(w @ below[-1])
+    above = [module.eye(layers[-1].shape[0], dtype=layers[0].dtype)]
+    for w in reversed(layers[1:]):
+        above.insert(0, above[0] @ w)
+    return below, above
+
+
 def loss_and_gradient(model: Factorization, problem: Problem):
     return jax.value_and_grad(lambda f: f.loss(problem))(model)
 
@@ -83,12 +97,7 @@ def loss_hessian(model: Factorization, problem: Problem) -> Float[Array, "P P"]:
     depth = len(ws)
     mask = problem.mask.astype(ws[0].dtype)
     residual = problem.residual(model.product())
-    prefix = [jnp.eye(ws[0].shape[1], dtype=ws[0].dtype)]
-    for w in ws[:-1]:
-        prefix.append(w @ prefix[-1])
-    suffix = [jnp.eye(ws[-1].shape[0], dtype=ws[0].dtype)]
-    for w in reversed(ws[1:]):
-        suffix.insert(0, suffix[0] @ w)
+    prefix, suffix = partial_products(ws)
     blocks = [[None] * depth for _ in range(depth)]
     for k in range(depth):
         between = jnp.eye(ws[k].shape[1], dtype=ws[0].dtype)  # W_{k-1}⋯W_{j+1}, for j = k−1

@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._cache import ALREADY_COMPILED, compile_timed
-from ._flow import _flatten, _is_diverged, remaining_distance_ratio
-from ._model import Factorization, loss_and_gradient, tree_dot
-from ._problem import Problem
-from ._result import FlowResult, Status, Trajectory
+from .engine._compile import program
+from .engine._result import FlowResult, Status, Trajectory, select_status
+from .engine._stopping import default_atol, is_diverged, remaining_distance_ratio
+from .model import Factorization, loss_and_gradient, tree_dot
+from .problem import Problem
 
 OPTIMIZERS = {
     "sgd": lambda lr: optax.sgd(lr),
@@ -76,6 +76,8 @@ class DescentOptions:
         return self.optimizer
 
 
+# One function on purpose (~100 lines): the state of the while loop, its body and its saving
+# buffers are one program; the flow's stopping rule and statuses come from the engine.
 def descend_solve(
     problem: Problem, model: Factorization, options: DescentOptions, lr=None
 ) -> FlowResult:
@@ -85,11 +87,7 @@ def descend_solve(
     opt = options.transformation(lr)
     dtype = model.layers[0].dtype
     rtol = options.rtol
-    atol = options.atol
-    if atol is None:
-        theta0 = _flatten(model)
-        atol = 1e-2 * rtol * jnp.sqrt(jnp.mean(theta0**2))
-        atol = jnp.where(atol > 0, atol, 1e-2 * rtol)
+    atol = options.atol if options.atol is not None else default_atol(model, rtol)
     if math.isinf(options.t_max):
         steps_for_t_max = options.max_steps
     else:
@@ -121,20 +119,16 @@ def descend_solve(
         params, k = state["params"], state["k"]
         loss, g = loss_and_gradient(params, problem)
         ratio = remaining_distance_ratio(params, problem, rtol, atol)
-        diverged = _is_diverged(params, problem, options.divergence_bound)
-        status = jnp.where(
-            diverged,
-            Status.DIVERGED,
-            jnp.where(
-                ratio <= 1.0,
-                Status.CONVERGED,
-                jnp.where(
-                    k >= steps_for_t_max,
-                    jnp.where(k >= options.max_steps, Status.MAX_STEPS, Status.T_MAX),
-                    -1,
-                ),
-            ),
-        ).astype(jnp.int32)
+        out_of_time = k >= steps_for_t_max
+        status = select_status(
+            [
+                (is_diverged(params, problem, options.divergence_bound), Status.DIVERGED),
+                (ratio <= 1.0, Status.CONVERGED),
+                (out_of_time & (k >= options.max_steps), Status.MAX_STEPS),
+                (out_of_time, Status.T_MAX),
+            ],
+            otherwise=-1,
+        )
         if saving:
             state["saves"] = record(state["saves"], k, params, loss)
         updates, opt_state = opt.update(g, state["opt_state"], params)
@@ -191,9 +185,6 @@ def descend_solve(
     )
 
 
-_COMPILED: dict = {}
-
-
 def descend(
     problem: Problem,
     model: Factorization,
@@ -215,23 +206,15 @@ def descend(
     import dataclasses
 
     # The learning rate is an argument of the compiled program, not part of its identity.
-    key = (
+    lr = jnp.asarray(options.lr, model.layers[0].dtype)
+    compiled, compile_time = program(
+        "descend",
         dataclasses.replace(options, lr=1.0),
-        jax.tree_util.tree_structure((problem, model)),
-        tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves((problem, model))),
+        (problem, model, lr),
+        lambda: lambda p, m, lr: descend_solve(p, m, options, lr),
+        out_like=None if options.save_every else FlowResult.skeleton(model),
+        remember=isinstance(options.optimizer, str),  # an optax object has no stable identity
     )
-    compiled, compile_time = _COMPILED.get(key), ALREADY_COMPILED
-    if compiled is None:
-        fn = lambda p, m, lr: descend_solve(p, m, options, lr)
-        lr0 = jnp.asarray(options.lr, model.layers[0].dtype)
-        named = isinstance(options.optimizer, str)  # an optax object has no stable name
-        program_key = repr(("descend", key[0])) if named else None
-        out_like = None if options.save_every else FlowResult.skeleton(model)
-        compiled, compile_time = compile_timed(
-            fn, problem, model, lr0, key=program_key, out_like=out_like
-        )
-        if isinstance(options.optimizer, str):
-            _COMPILED[key] = compiled
     start = time.perf_counter()
     result = compiled(problem, model, jnp.asarray(options.lr, model.layers[0].dtype))
     jax.block_until_ready(result)
@@ -245,7 +228,7 @@ def endpoint_distance(result: FlowResult, reference: FlowResult, problem: Proble
     ≥ 1e-6·σ₁ of the reference), the stable-rank difference, and the max absolute difference on
     unobserved entries.
     """
-    from ._measures import singular_values, stable_rank_of
+    from .analysis._measures import singular_values, stable_rank_of
 
     s = singular_values(result.model)
     s_ref = singular_values(reference.model)

@@ -1,12 +1,12 @@
-"""Accuracy certificates: quantities the exact flow conserves (theory.md §9)."""
+"""Accuracy certificates: quantities the exact flow conserves (docs/theory.md §9)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._model import Factorization
-from ._problem import Problem
-from ._result import FlowResult
+from ..engine._result import FlowResult
+from ..model import Factorization
+from ..problem import Problem
 
 
 def balancedness(model: Factorization) -> list[np.ndarray]:

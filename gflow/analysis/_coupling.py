@@ -1,4 +1,4 @@
-"""Coupling diagnostic (theory.md §10): which observations move each other under the flow.
+"""Coupling diagnostic (docs/theory.md §10): which observations move each other under the flow.
 
 Along the flow the observed entries obey Ẋ_Ω = −Θ r_Ω with the per-observation gradient Gram
 matrix (the NTK on Ω)
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._model import Factorization
-from ._problem import Problem
+from ..model import Factorization, partial_products
+from ..problem import Problem
 
 DEFAULT_TOLERANCE = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-5}
 
@@ -33,13 +33,7 @@ def gram(model: Factorization, problem: Problem) -> np.ndarray:
     obs = observations(problem)
     rows, cols = obs[:, 0], obs[:, 1]
     depth = len(layers)
-    prefix = [np.eye(layers[0].shape[1])]  # B_l = W_{l-1} ⋯ W_1
-    for w in layers[:-1]:
-        prefix.append(w @ prefix[-1])
-    suffix = [np.eye(layers[-1].shape[0])]  # A_l = W_L ⋯ W_{l+1}, built from the top
-    for w in reversed(layers[1:]):
-        suffix.append(suffix[-1] @ w)
-    suffix = suffix[::-1]
+    prefix, suffix = partial_products(layers)  # B_l = W_{l-1} ⋯ W_1, A_l = W_L ⋯ W_{l+1}
     theta = np.zeros((len(obs), len(obs)))
     for l_idx in range(depth):
         a, b = suffix[l_idx], prefix[l_idx]

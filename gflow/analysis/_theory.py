@@ -1,5 +1,5 @@
 """Closed forms and implicit equations for the identity family on block-diagonal problems
-(theory.md §2–§6), computed robustly in log space with NumPy float64.
+(docs/theory.md §2–§6), computed robustly in log space with NumPy float64.
 
 Family: d = n·s, observed = the n diagonal s×s blocks of X* = w·J, every layer
 W_l(0) = α((1 − 1/m) I + (1/m) J). Every layer stays equal and in span{I, B, J}; its eigenvalues
@@ -63,7 +63,7 @@ def family_constants(n: int, s: int, m):
 
 
 def family_limit(depth: int, n: int, s: int, alpha, m=math.inf, w=1.0) -> FamilyLimit:
-    """The t → ∞ singular values σ_A and σ_B of the family (theory.md §2 item 4, §3).
+    """The t → ∞ singular values σ_A and σ_B of the family (docs/theory.md §2 item 4, §3).
 
     Robust for α down to 1e-8, L up to 10 and beyond, m from just above 1 to ∞ (σ_B is returned
     as a log, so it cannot underflow). Accurate to ~1e-14 relative.
@@ -111,7 +111,7 @@ def family_limit(depth: int, n: int, s: int, alpha, m=math.inf, w=1.0) -> Family
 
 
 def log_lambda_c_at(depth: int, n: int, s: int, alpha, m, t):
-    """ln λ_C(t) = −ln(λ_C(0)^{−(2L−2)} + (2L−2)t)/(2L−2), exact (theory.md §2 item 3)."""
+    """ln λ_C(t) = −ln(λ_C(0)^{−(2L−2)} + (2L−2)t)/(2L−2), exact (docs/theory.md §2 item 3)."""
     alpha = np.asarray(alpha, dtype=np.float64)
     _, c_b = family_constants(n, s, m)
     k = 2 * depth - 2
@@ -126,7 +126,7 @@ def sigma_c_at(depth: int, n: int, s: int, alpha, m, t):
 
 
 def escape_time(depth: int, n: int, s: int, alpha, m=math.inf, w=1.0):
-    """Leading-order time at which λ_A leaves its plateau (theory.md §5)."""
+    """Leading-order time at which λ_A leaves its plateau (docs/theory.md §5)."""
     alpha = np.asarray(alpha, dtype=np.float64)
     c_a, _ = family_constants(n, s, m)
     if depth == 2:
@@ -146,7 +146,7 @@ def family_invariant(depth: int, lam_a, lam_b):
 
 
 def reduced_rhs(depth: int, n: int, s: int, w: float):
-    """The 3-scalar ODE (λ_A, λ_B, λ_C)' of theory.md §2, as a function f(t, λ) → λ'."""
+    """The 3-scalar ODE (λ_A, λ_B, λ_C)' of docs/theory.md §2, as a function f(t, λ) → λ'."""
     import jax.numpy as jnp
 
     def f(t, lam, args=None):
@@ -194,7 +194,7 @@ def reduced_loss(depth: int, n: int, s: int, w: float, lam):
 
 def diagonal_l2_limit(w2, w1, targets):
     """Closed-form t → ∞ end-to-end matrix of a depth-2 flow on diagonal observations
-    (theory.md §6a), for any init (W₂, W₁ square) and any nonzero targets w_i (either sign).
+    (docs/theory.md §6), for any init (W₂, W₁ square) and any nonzero targets w_i (either sign).
 
     Row i of W₂ and column i of W₁ evolve alone: with P = u_i + v_i, Q = u_i − v_i,
     E_i = (−2w_i + √(4w_i² + |Q|²|P|²))/|Q|², u_i(∞) = (P/√E_i + Q√E_i)/2 and

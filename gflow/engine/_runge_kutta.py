@@ -2,9 +2,10 @@
 
 diffrax's `diffeqsolve` is general: dense output, saving, events with root finding, adjoints.
 A flow that saves nothing and stops on a boolean test needs none of that, and at small sizes
-diffrax's per-step machinery costs as much as the gradients themselves (d = 20, L = 3: ~45 µs
-of ~95 µs per Tsit5 step). This loop takes the same steps as `diffeqsolve` with diffrax's
-`PIDController` (integral control, the same initial step, the same accept/reject rule), but
+diffrax's per-step machinery costs about as much as the gradients themselves (measured in
+benchmarks/README: `other_integrators`). This loop takes the same steps as `diffeqsolve`
+with diffrax's `PIDController` (integral control, the same initial step, the same
+accept/reject rule), but
 
 - the stopping test reads the last stage of a first-same-as-last tableau, which is the vector
   field at the accepted point: no extra gradient evaluation per step (diffrax evaluates an
@@ -51,6 +52,8 @@ def all_finite(tree):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]))
 
 
+# One function on purpose (~120 lines): the loop's carry, its step and its accept/reject rule
+# mirror diffrax's and are checked against it line by line; split, they would hide that.
 def integrate(
     field: Callable,
     y0,

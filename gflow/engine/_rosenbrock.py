@@ -152,9 +152,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       respect to the active entries (flattened as `ravel_pytree` orders them), used by the
       dense path in place of P Jacobian-vector products (e.g. a closed-form Hessian).
     - `linear_solver`: `"dense"`, `"cg"` (conjugate gradients on Jacobian-vector products;
-      needs `symmetric`), or `"auto"` (dense up to `dense_max` unknowns). Measured on stiff
-      flow tails (L = 3, 4): equal at 192 unknowns, CG 1.1–1.6× faster at 256–300, 2.2× at
-      432, 5–6.6× at 768–1,200 (a Cholesky per step grows as P³, CG's cost as P).
+      needs `symmetric`), or `"auto"` (dense up to `dense_max` unknowns: a Cholesky
+      per step grows as P³, CG's cost as P; the crossover is measured in benchmarks/README).
     - `cg_rtol`, `cg_max_iters`: CG stopping rule. A CG solve that does not converge (or meets
       negative curvature) makes the step fail, and the controller retries a smaller one.
     - `step_tolerance`: the step controller's `(rtol, atol)`. With it CG also stops once its
@@ -217,6 +216,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     def func(self, terms, t0, y0, args):
         return terms.vf(t0, y0, args)
 
+    # One method on purpose (~90 lines): the four stages of RODAS4 share one factorisation or
+    # preconditioner, and read as the tableau does.
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
         del made_jump
         active0, passive0 = self._split(y0)

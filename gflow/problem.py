@@ -144,4 +144,3 @@ def _with_noise(problem: Problem, noise: float, key) -> Problem:
         return problem
     eps = noise * jax.random.normal(as_key(key), problem.shape, dtype=problem.target.dtype)
     return Problem(problem.target + problem.mask * eps, problem.mask, dtype=problem.target.dtype)
-

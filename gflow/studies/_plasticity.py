@@ -3,7 +3,7 @@ and compare with a fresh start on Ω₂ from the original initialisation (cold).
 
 A depth-2 model pretrained on disconnected observations converges fast to a high-rank solution
 and, resumed with more data, barely moves (lazy training): it keeps the high rank and can get
-the unobserved entries wrong, even in sign (theory.md §7).
+the unobserved entries wrong, even in sign (docs/theory.md §7).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._coupling import coupling, trajectory_coupling, trajectory_models
-from ._descend import DescentOptions, descend
-from ._flow import FlowOptions, flow
-from ._measures import effective_rank, singular_values, stable_rank, unobserved_error
-from ._model import Factorization
-from ._problem import Problem
-from ._result import FlowResult
+from ..analysis._coupling import coupling, trajectory_coupling, trajectory_models
+from ..analysis._measures import effective_rank, singular_values, stable_rank, unobserved_error
+from ..descent import DescentOptions, descend
+from ..engine import FlowOptions, flow
+from ..engine._result import FlowResult
+from ..model import Factorization
+from ..problem import Problem
 
 
 def _flat(model: Factorization) -> np.ndarray:
@@ -120,7 +120,7 @@ def plasticity(
       not only at the phase's start.
 
     **Returns:** a `PlasticityResult`. "Distance travelled" is ‖θ_end − θ_start‖/‖θ_start‖ over
-    all layers (theory.md §7's ‖ΔW‖/‖W‖): small after a warm start is the lazy-training
+    all layers (docs/theory.md §7's ‖ΔW‖/‖W‖): small after a warm start is the lazy-training
     signature; a cold start from a small init travels ≫ 1.
     """
     mask1 = np.asarray(pretrain_mask, dtype=np.float64)
@@ -146,7 +146,7 @@ def plasticity(
     )
 
 
-# --- the studies of theory.md §7 and issue 8 -----------------------------------------------
+# --- the studies of docs/theory.md §7 -----------------------------------------------------------
 
 
 def two_by_two_problem(value: float = 1.0) -> tuple[Problem, np.ndarray]:
@@ -158,9 +158,9 @@ def two_by_two_problem(value: float = 1.0) -> tuple[Problem, np.ndarray]:
 
 def two_by_two_warm_curve(depth: int, ms, alpha: float = 0.1, value: float = 1.0) -> np.ndarray:
     """The unobserved X₂₁ after the warm start of the 2×2 study, for each init shape m of the
-    pretraining (theory.md §7: for depth 2 it changes sign at m* ≈ 49.99). NaN where the
+    pretraining (docs/theory.md §7: for depth 2 it changes sign at m* ≈ 49.99). NaN where the
     pretraining or the warm start did not converge: that value would not be an endpoint."""
-    from ._init import identity_family
+    from ..inits import identity_family
 
     problem, pretrain_mask = two_by_two_problem(value)
     values = []
@@ -178,7 +178,7 @@ def connected_superset_mask(d: int, extra: int, key) -> np.ndarray:
     of rows and columns is connected (so the resumed problem is connected; d − 1 ≤ extra)."""
     import jax
 
-    from ._coupling import bipartite_components
+    from ..analysis._coupling import bipartite_components
 
     if extra < d - 1:
         raise ValueError(f"need at least d − 1 = {d - 1} extra entries to connect {d} rows")
@@ -215,8 +215,8 @@ def dxd_study(
     """
     import jax
 
-    from ._init import gaussian, identity_family
-    from ._problem import bernoulli
+    from ..inits import gaussian, identity_family
+    from ..problem import bernoulli
 
     key = jax.random.key(seed)
     k_truth, k_mask, k_init = jax.random.split(key, 3)

@@ -63,7 +63,7 @@ def _add_problem_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_solver_options(p: argparse.ArgumentParser) -> None:
-    from ._flow import SOLVERS
+    from .engine import SOLVERS
 
     g = p.add_argument_group("solver")
     g.add_argument("--solver", choices=["auto", *sorted(SOLVERS)], default="auto")
@@ -197,7 +197,7 @@ def cmd_theory(args) -> int:
     else:
         raise UsageError("gflow theory covers --problem diagonal and block-diagonal")
     if args.init != "identity":
-        raise UsageError("gflow theory covers --init identity (the family of theory.md)")
+        raise UsageError("gflow theory covers --init identity (the family of docs/theory.md)")
     report = gflow.family_prediction(args.depth, n, s, args.alpha, args.m, args.value, t=args.t)
     report["config"] = _config(args)
     print(json.dumps(_jsonable(report)))
@@ -208,15 +208,15 @@ def cmd_plasticity(args) -> int:
     import gflow
 
     if args.study == "2x2":
-        problem, pretrain_mask = gflow.two_by_two_problem(args.value)
+        problem, pretrain_mask = gflow.studies.two_by_two_problem(args.value)
         rows = []
         for depth in args.depths:
             for m in args.ms:
                 init = gflow.identity_family(2, depth, args.alpha, m)
-                r = gflow.plasticity(problem, pretrain_mask, init)
+                r = gflow.studies.plasticity(problem, pretrain_mask, init)
                 rows.append({"L": depth, "m": m, "alpha": args.alpha} | r.as_dict())
     else:
-        rows = gflow.dxd_study(
+        rows = gflow.studies.dxd_study(
             args.dim,
             args.depths,
             args.alphas,
@@ -279,7 +279,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_reproduce(args) -> int:
-    from ._reproduce import reproduce
+    from .studies._reproduce import reproduce
 
     if args.quick and args.full:
         raise UsageError("choose one of --quick and --full")
@@ -350,9 +350,9 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.no_cache:
-            from . import _cache
+            from .engine import _compile
 
-            _cache.disable()
+            _compile.disable()
         if not getattr(args, "func", None):
             parser.print_help()
             return 2

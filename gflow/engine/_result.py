@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ._model import Factorization
+from ..model import Factorization
 
 
 class Status(enum.IntEnum):
@@ -48,6 +48,12 @@ class Phase(enum.IntEnum):
     @property
     def label(self) -> str:
         return self.name.lower().replace("_", " ")
+
+
+def select_status(cases, otherwise) -> jax.Array:
+    """The status of the first `(condition, status)` case that holds, else `otherwise`."""
+    conditions = [jnp.asarray(condition) for condition, _ in cases]
+    return jnp.select(conditions, [int(s) for _, s in cases], int(otherwise)).astype(jnp.int32)
 
 
 def solver_code(result) -> jax.Array:

@@ -69,7 +69,53 @@ class CompileTime:
 ALREADY_COMPILED = CompileTime(0.0, None)
 
 
-def compile_timed(fn, *args, key=None, out_like=None):
+_COUNTS = {"flow": 0, "descend": 0}
+
+
+def compile_count(kind: str = "flow") -> int:
+    """How many programs of `kind` (`"flow"`: flows and batches of flows, `"descend"`: discrete
+    optimizers) this process has compiled or loaded from the persistent cache. A repeated call
+    with the same options and shapes reuses its program and does not count."""
+    return _COUNTS[kind]
+
+
+def fields_of(config) -> tuple:
+    """A config's fields as (name, value) pairs: an unabbreviated key for a program file."""
+    import dataclasses
+
+    return tuple((f.name, getattr(config, f.name)) for f in dataclasses.fields(config))
+
+
+_PROGRAMS: dict = {}
+
+
+def program(kind: str, config, args, make_fn, *, extra=(), out_like=None, remember=True):
+    """The compiled program `make_fn()` for `args`, built once per process for its `kind`,
+    `config` (options), `extra` (batching) and the structure and shapes of `args`: a sweep
+    compiles once per shape group, and a later call with other shapes cannot silently recompile
+    (an executable only accepts its own shapes). Returns (a callable taking `args`, its
+    `CompileTime`). With `remember=False` (a config without a stable identity) nothing is kept."""
+    leaves = jax.tree_util.tree_leaves(args)
+    key = (
+        kind,
+        config,
+        extra,
+        jax.tree_util.tree_structure(args),
+        tuple((x.shape, x.dtype) for x in leaves),
+    )
+    hit = _PROGRAMS.get(key) if remember else None
+    if hit is not None:
+        return hit, ALREADY_COMPILED
+    file_key = repr((kind, fields_of(config), extra)) if remember else None
+    compiled, compile_time = compile_timed(
+        make_fn(), *args, kind=kind, key=file_key, out_like=out_like
+    )
+    if remember:
+        _PROGRAMS[key] = compiled
+    return compiled, compile_time
+
+
+def compile_timed(fn, *args, kind: str, key=None, out_like=None):
     """`jax.jit(fn)` compiled for `args`: (a callable taking `args`, its `CompileTime`).
 
     With a `key` (a string naming the program: its options and batching) and `out_like` (any
@@ -80,6 +126,7 @@ def compile_timed(fn, *args, key=None, out_like=None):
     edit to gflow or an upgrade never loads a stale program; an unreadable file is recompiled.
     Programs are stored flat (arrays in, arrays out): pytree definitions do not survive pickling.
     """
+    _COUNTS[kind] += 1
     start = time.perf_counter()
     in_tree = jax.tree_util.tree_structure(args)
     out_tree = None if out_like is None else jax.tree_util.tree_structure(out_like)

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._checks import as_key, check_positive_int
-from ._model import Factorization
 from ._precision import default_dtype
+from .model import Factorization
 
 
 def identity_family(d: int, depth: int, alpha, m=math.inf, *, dtype=None) -> Factorization:
-    """Every layer W_l(0) = α F_m with F_m = (1 − 1/m) I + (1/m) J (theory.md §1).
+    """Every layer W_l(0) = α F_m with F_m = (1 − 1/m) I + (1/m) J (docs/theory.md §1).
 
     `m = inf` gives α I. `alpha` and `m` may be traced (for `vmap` over a grid); they are
     validated when concrete: α > 0, m > 1 (m = 1 gives a rank-1 J that stays rank 1).
@@ -116,4 +116,3 @@ def _check_widths(widths):
     for w in widths:
         check_positive_int(w, "every width")
     return widths
-

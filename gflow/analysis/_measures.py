@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._model import Factorization
-from ._problem import Problem
+from ..model import Factorization
+from ..problem import Problem
 
 
 def _matrix(x) -> np.ndarray:
@@ -74,7 +74,7 @@ def unobserved_error(x, problem: Problem) -> dict:
 
 
 def family_directions(n: int, s: int) -> dict[str, np.ndarray]:
-    """Unit vectors of the three eigenspaces (theory.md §4): A = **1**/√d,
+    """Unit vectors of the three eigenspaces (docs/theory.md §4): A = **1**/√d,
     B = (**1**_s, −**1**_s, 0 …)/√(2s) (needs n ≥ 2), C = (e₁ − e₂)/√2 (needs s ≥ 2)."""
     d = n * s
     out = {"A": np.ones(d) / np.sqrt(d)}

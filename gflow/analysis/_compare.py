@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..engine._result import FlowResult, Status
 from ._measures import family_ranks, family_spectrum
-from ._result import FlowResult, Status
 from ._theory import family_limit, log_lambda_c_at
 
 

@@ -1,0 +1,158 @@
+"""The front door of the engine: `flow` and `flow_batch` validate, compile once per options,
+batching and shapes (`_compiled_solver`), and time the solve; `pad_depth` and `stack` prepare
+models and batches."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..model import Factorization
+from ..problem import Problem
+from ._compile import program
+from ._options import FlowOptions
+from ._result import FlowResult
+from ._solve import solve
+
+
+def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths=None):
+    """One compiled program per (options, batching, shapes, devices), cached: a sweep compiles
+    once per shape group, and a later call with other shapes cannot silently recompile (the
+    cached executable only accepts its own shapes). With `depths` (an int array, batched like
+    the model) the program takes it as a third argument: depth-padded models (`pad_depth`)."""
+    devices = tuple(devices) if devices is not None and len(devices) > 1 else None
+    args = (problem, model) if depths is None else (problem, model, depths)
+    if depths is not None and in_axes is not None:
+        in_axes = (*in_axes, 0)
+    axis = None if in_axes is None else "flows"
+
+    def make_fn():
+        if depths is None:
+            fn = lambda p, m: solve(p, m, options, batch_axis=axis)
+        else:
+            fn = lambda p, m, d: solve(p, m, options, depth=d, batch_axis=axis)
+        if in_axes is None:
+            return fn
+        fn = jax.vmap(fn, in_axes=in_axes, axis_name=axis)
+        if devices is None:
+            return fn
+        # Each device loops over its own slice of the batch: no per-step synchronisation
+        # with the slowest member elsewhere (a sharded `jit` would synchronise every step).
+        mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
+        spec = jax.sharding.PartitionSpec
+        return jax.shard_map(
+            fn,
+            mesh=mesh,
+            in_specs=tuple(spec("batch") if ax == 0 else spec() for ax in in_axes),
+            out_specs=spec("batch"),
+            # diffrax's while loops mix per-device and replicated values; each device's
+            # program is a plain vmapped solve, so there is nothing to check across devices.
+            check_vma=False,
+        )
+
+    # Programs with samples have no fixed result structure to rebuild from a file; programs
+    # spread over devices are kept by JAX's own cache only.
+    samples = options.save or options.save_ts is not None
+    out_like = None if samples or devices is not None else FlowResult.skeleton(model)
+    return program(
+        "flow", options, args, make_fn, extra=(in_axes, depths is None, devices), out_like=out_like
+    )
+
+
+def flow(
+    problem: Problem,
+    model: Factorization,
+    options: FlowOptions | None = None,
+    **kwargs,
+) -> FlowResult:
+    """Integrate the gradient flow of `model` on `problem` to its limit (or until told to stop).
+
+    **Arguments:**
+
+    - `problem`: a `Problem` (target and mask).
+    - `model`: the initial `Factorization`.
+    - `options`: a `FlowOptions`; or pass its fields as keyword arguments
+      (`flow(p, m, rtol=1e-12, t_max=100.0)`).
+
+    **Returns:** a `FlowResult` with the endpoint model, a `Status`, solver statistics and the
+    wall time of the solve alone (`wall_time_s`) and of compiling it (`compile_time_s`, 0 when
+    a compiled program for the same shapes and options was reused).
+
+    **Raises:** `ValueError` for a model that does not fit the problem or bad options. A
+    diverging flow does not raise: its status is `Status.DIVERGED`.
+
+    ```python
+    import gflow
+    p = gflow.diagonal(4)
+    m = gflow.identity_family(4, depth=3, alpha=1e-2, m=4)
+    r = gflow.flow(p, m)
+    r.status_label, gflow.singular_values(r.model)
+    ```
+    """
+    if options is None:
+        options = FlowOptions(**kwargs)
+    elif kwargs:
+        raise TypeError("pass either `options` or keyword options, not both")
+    model.check_problem(problem)
+    if problem.target.dtype != model.layers[0].dtype:
+        raise ValueError(
+            f"problem dtype {problem.target.dtype} differs from model dtype {model.layers[0].dtype}"
+        )
+    compiled, compile_time = _compiled_solver(problem, model, options)
+    start = time.perf_counter()
+    result = compiled(problem, model)
+    jax.block_until_ready(result)
+    return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
+
+
+def pad_depth(model: Factorization, depth: int) -> Factorization:
+    """`model` with identity layers appended up to `depth` layers: the same product. Pass the
+    true depth to the engine (`solve(..., depth=)`, `SweepSpec(depth_mode="pad")`) to keep the
+    padding frozen."""
+    d = model.widths[-1]
+    if depth < model.depth:
+        raise ValueError(f"cannot pad a depth-{model.depth} model down to depth {depth}")
+    eye = jnp.eye(d, dtype=model.layers[0].dtype)
+    return Factorization(list(model.layers) + [eye] * (depth - model.depth))
+
+
+def stack(items):
+    """Stack equal-structure pytrees (problems, models) along a new leading batch axis."""
+    return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *items)
+
+
+def flow_batch(
+    problem: Problem,
+    model: Factorization,
+    options: FlowOptions | None = None,
+    **kwargs,
+) -> FlowResult:
+    """Integrate a batch of flows in one compiled, vmapped program.
+
+    `model` is a batched Factorization (leading axis on every layer, e.g. from `stack`);
+    `problem` is either one shared Problem or a batched one. Every field of the returned
+    `FlowResult` has the batch axis in front; each member has its own status, so one diverging
+    member never stops the others. Under `vmap` a batch costs about (slowest member's steps) ×
+    (batch size): group members of similar flow length.
+    """
+    if options is None:
+        options = FlowOptions(**kwargs)
+    elif kwargs:
+        raise TypeError("pass either `options` or keyword options, not both")
+    if model.layers[0].ndim != 3:
+        raise ValueError("flow_batch needs a batched model (layers of shape (batch, d_out, d_in))")
+    batched_problem = problem.target.ndim == 3
+    if (model.widths[-1], model.widths[0]) != problem.target.shape[-2:]:
+        raise ValueError(
+            f"model output shape {(model.widths[-1], model.widths[0])} does not match the "
+            f"problem's {problem.target.shape[-2:]}"
+        )
+    in_axes = (0 if batched_problem else None, 0)
+    compiled, compile_time = _compiled_solver(problem, model, options, in_axes)
+    start = time.perf_counter()
+    result = compiled(problem, model)
+    jax.block_until_ready(result)
+    return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)

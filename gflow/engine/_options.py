@@ -1,0 +1,151 @@
+"""How a flow is integrated: `FlowOptions`, checked when built and never rewritten."""
+
+from __future__ import annotations
+
+import math
+
+import diffrax
+import equinox as eqx
+
+from ._rosenbrock import Rodas4
+
+SOLVERS = {
+    "tsit5": diffrax.Tsit5,
+    "dopri5": diffrax.Dopri5,
+    "dopri8": diffrax.Dopri8,
+    "kvaerno5": diffrax.Kvaerno5,
+    "euler": diffrax.Euler,
+    "rodas4": Rodas4,
+}
+FIXED_STEP = ("euler",)
+LEAN_SOLVERS = ("auto", "tsit5", "dopri5")  # FSAL tableaus that gflow's own loop runs
+CLOCKS = ("auto", "physical", "loss")
+LINEAR_SOLVERS = ("auto", "dense", "cg")
+
+
+def _times(ts):
+    return None if ts is None else tuple(float(t) for t in ts)
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+class FlowOptions(eqx.Module):
+    """How to integrate a flow. Checked at construction; what you pass is what is used.
+
+    - `solver`: `auto` (default): Tsit5, and if it has not converged after `explicit_steps`
+      steps (a stiff tail: step size pinned at the stability bound of the fastest mode), the
+      L-stable Rosenbrock method `rodas4` (dense or matrix-free linear algebra) to the end.
+      Or one fixed solver: `tsit5`, `dopri5`, `dopri8` (explicit), `kvaerno5`, `rodas4` (stiff),
+      `euler` (fixed step `dt`), or any diffrax solver object (e.g. `diffrax.Heun()`; with
+      `dt` it takes fixed steps).
+    - `rtol`, `atol`: tolerances of the PID step controller and of the stopping rule. `atol=None`
+      uses `1e-2·rtol·RMS(θ(0))`, i.e. relative to the scale of the initialisation.
+    - `t_max`: physical-time horizon (`inf` by default: stop on convergence).
+    - `max_steps`: step budget per clock phase; the solve always terminates.
+    - `clock`: `auto`, `physical` or `loss` (docs/theory.md §5). Sampling at `save_ts` and
+      fixed steps run on the physical clock: `auto` then means physical (`clock_in_use`).
+    - `loss_clock_until`: the loss clock hands over to physical time once the loss has dropped
+      to this fraction of its initial value.
+    - `save`: trajectory samples per clock phase (0: none); `save_layers` keeps the layers too.
+      On the loss clock samples are evenly spaced in log(loss); in physical time they are
+      log-spaced from 1e-3 to 1e8 loss time-scales (or up to `t_max`).
+    - `certificates`: carry the energy integral ∫‖∇loss‖² dt as an extra state.
+    - `linear_solver`: how `rodas4` solves its linear systems: `auto` (dense Cholesky up to 200
+      parameters, else matrix-free CG on Hessian-vector products), `dense` or `cg`.
+    - `divergence_bound`: |θ_i| above this counts as diverged.
+    - `dt`: the fixed step of `solver="euler"` (explicit Euler is gradient descent with
+      learning rate dt: a reference for `descend`).
+    - `save_ts`: explicit physical times to sample; the trajectory then holds exactly these
+      times (inf past the end of the solve).
+    """
+
+    solver: str | diffrax.AbstractSolver = "auto"
+    rtol: float = 1e-10
+    atol: float | None = None
+    t_max: float = math.inf
+    max_steps: int = 100_000
+    explicit_steps: int = 2_000
+    clock: str = "auto"
+    loss_clock_until: float = 1e-2
+    save: int = 0
+    save_layers: bool = False
+    certificates: bool = False
+    linear_solver: str = "auto"
+    divergence_bound: float = 1e100
+    dt: float | None = None
+    save_ts: tuple[float, ...] | None = eqx.field(default=None, converter=_times)
+
+    def __check_init__(self):
+        if isinstance(self.solver, str):
+            if self.solver not in SOLVERS and self.solver != "auto":
+                raise ValueError(f"unknown solver {self.solver!r}; choose from {sorted(SOLVERS)}")
+        elif not isinstance(self.solver, diffrax.AbstractSolver):
+            raise ValueError(f"solver must be a name or a diffrax solver, got {self.solver!r}")
+        if self.save_ts is not None:
+            ts = self.save_ts
+            if not ts or any(b < a for a, b in zip(ts, ts[1:], strict=False)) or ts[0] < 0:
+                raise ValueError("save_ts must be a non-empty, non-decreasing list of times >= 0")
+            if self.clock == "loss":
+                raise ValueError("save_ts (physical times) needs clock='physical' or 'auto'")
+        if self.solver in FIXED_STEP:
+            if self.dt is None or not (self.dt > 0):
+                raise ValueError(f"solver {self.solver!r} takes a fixed step: pass dt > 0")
+        elif self.dt is not None and isinstance(self.solver, str):
+            raise ValueError("dt is only for fixed-step solvers (solver='euler')")
+        if self.fixed_step and self.clock == "loss":
+            raise ValueError("fixed-step solvers run on the physical clock")
+        if self.linear_solver not in LINEAR_SOLVERS:
+            raise ValueError(
+                f"unknown linear_solver {self.linear_solver!r}; choose from {LINEAR_SOLVERS}"
+            )
+        if self.clock not in CLOCKS:
+            raise ValueError(f"unknown clock {self.clock!r}; choose from {CLOCKS}")
+        if not (0 < self.rtol < 1):
+            raise ValueError(f"rtol must lie in (0, 1), got {self.rtol}")
+        if self.atol is not None and not (self.atol > 0 and math.isfinite(self.atol)):
+            raise ValueError(f"atol must be finite and > 0, got {self.atol}")
+        if not (self.t_max > 0):
+            raise ValueError(f"t_max must be > 0, got {self.t_max}")
+        if not _positive_int(self.max_steps):
+            raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
+        if not _positive_int(self.explicit_steps):
+            raise ValueError(
+                f"explicit_steps must be a positive integer, got {self.explicit_steps}"
+            )
+        if not (0 < self.loss_clock_until < 1):
+            raise ValueError(f"loss_clock_until must lie in (0, 1), got {self.loss_clock_until}")
+        if not (isinstance(self.save, int) and self.save >= 0):
+            raise ValueError(f"save must be a non-negative integer, got {self.save!r}")
+
+    @property
+    def fixed_step(self) -> bool:
+        return self.solver in FIXED_STEP or (
+            not isinstance(self.solver, str) and self.dt is not None
+        )
+
+    @property
+    def clock_in_use(self) -> str:
+        """The clock the flow runs on: `clock`, except that sampling at `save_ts` and fixed steps
+        need physical time."""
+        if self.save_ts is not None or self.fixed_step:
+            return "physical"
+        return self.clock
+
+    @property
+    def stiff_tail(self) -> bool:
+        """`solver="auto"`: an explicit phase, then the Rosenbrock tail if it has not converged."""
+        return self.solver == "auto"
+
+    @property
+    def lean(self) -> bool:
+        """Whether the explicit phases run in gflow's own Runge–Kutta loop: nothing is saved
+        along the way and no finite horizon has to be located on the loss clock."""
+        return (
+            isinstance(self.solver, str)
+            and self.solver in LEAN_SOLVERS
+            and not self.save
+            and self.save_ts is None
+            and not math.isfinite(self.t_max)
+        )

@@ -1,0 +1,302 @@
+"""One clock phase of a solve: integrate from a state until the phase's end, and say how it
+ended. A phase runs either in diffrax's `diffeqsolve` (saving, events, implicit solvers) or in
+gflow's own explicit Runge–Kutta loop (`_runge_kutta`, when nothing is saved)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optimistix as optx
+
+from ..model import tree_dot
+from ._dynamics import (
+    FieldArgs,
+    loss_clock_field,
+    loss_clock_rates,
+    loss_time_scale,
+    masked_loss_and_gradient,
+    physical_field,
+    physical_rates,
+)
+from ._result import Status, select_status, solver_code
+from ._runge_kutta import REACHED_END, STOPPED, all_finite, integrate
+from ._stopping import convergence, is_diverged
+
+CONTINUE = -1  # a phase that reached its end without a final status: the next phase goes on
+
+
+class StepStats(eqx.Module):
+    """The work of one phase. `rhs_evals` is −1 once an implicit solver took a step (its
+    Jacobian work is not counted in evaluations); `solver_code` is diffrax's result (0: ok)."""
+
+    num_steps: jax.Array
+    num_accepted_steps: jax.Array
+    num_rejected_steps: jax.Array
+    linear_iters: jax.Array
+    rhs_evals: jax.Array
+    solver_code: jax.Array
+
+
+class PhaseRun(eqx.Module):
+    """Where a phase ended: its final state, its local time, its status, its work and its
+    trajectory samples (a dict, empty when nothing is saved)."""
+
+    y: dict
+    t: jax.Array
+    status: jax.Array
+    stats: StepStats
+    samples: dict
+
+
+class Setup(eqx.Module):
+    """What every phase of one solve shares."""
+
+    problem: object
+    layer_mask: jax.Array | None
+    rtol: float
+    atol: jax.Array | float
+    controller: diffrax.AbstractStepSizeController
+    t_max: jax.Array
+    divergence_bound: float = eqx.field(static=True)
+    finite_horizon: bool = eqx.field(static=True)
+    save_ts: tuple | None = eqx.field(static=True)
+    save: int = eqx.field(static=True)
+    summary: Callable | None = eqx.field(static=True)
+
+    def done(self, loss, g, model):
+        """Converged or diverged (the phase's status tells which)."""
+        ratio, diverged = convergence(
+            loss, g, model, self.rtol, self.atol, self.layer_mask, self.divergence_bound
+        )
+        return (ratio <= 1.0) | diverged
+
+    def stop(self, t, y, args, **kwargs):
+        loss, g = masked_loss_and_gradient(y["model"], self.problem, self.layer_mask)
+        return self.done(loss, g, y["model"])
+
+
+class FiniteErrorPID(diffrax.PIDController):
+    """A PID controller that treats an overflowing trial step as a plain rejection.
+
+    diffrax's controller computes the next step from the error norm; a trial step that
+    overflows (large α: the polynomial vector field explodes before the controller has
+    learned the step size) gives inf − inf = nan there, and a nan step size never recovers.
+    Here a non-finite candidate counts as an infinite error, so the step shrinks instead.
+    """
+
+    def adapt_step_size(
+        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+    ):
+        finite = all_finite(y1_candidate)
+        y1_candidate = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(finite, b, a), y0, y1_candidate
+        )
+        y_error = jax.tree_util.tree_map(
+            lambda e: jnp.where(finite & jnp.isfinite(e), e, jnp.inf), y_error
+        )
+        return super().adapt_step_size(
+            t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        )
+
+
+def rhs_evals_per_step(solver) -> int:
+    """Vector-field evaluations per step of an explicit tableau (−1: not an explicit tableau)."""
+    tableau = getattr(solver, "tableau", None)
+    if tableau is None or not hasattr(tableau, "c"):
+        return -1
+    stages = len(tableau.c) + 1
+    return stages - 1 if tableau.fsal else stages
+
+
+def summary(save_layers: bool, num_sv: int):
+    """A trajectory sample: physical time, loss, top singular values (and the layers)."""
+
+    def fn(t, y, args: FieldArgs):
+        model = y["model"]
+        x = model.product()
+        out = {
+            "t": y["t"] if args.loss_clock else t + args.t_offset,
+            "loss": args.problem.loss(x),
+            "sv": jnp.linalg.svd(x, compute_uv=False)[:num_sv],
+        }
+        if save_layers:
+            out["layers"] = model
+        return out
+
+    return fn
+
+
+def lean_phase(setup: Setup, solver, rates, y0, t1, max_steps, end_status) -> PhaseRun:
+    """One phase in gflow's own Runge–Kutta loop (`_runge_kutta.integrate`)."""
+
+    def field(y):
+        dy, loss, g = rates(y, setup.problem, setup.layer_mask)
+        return dy, setup.done(loss, g, y["model"])
+
+    run = integrate(
+        field,
+        y0,
+        t1,
+        tableau=solver.tableau,
+        order=solver.order(None),
+        rtol=setup.rtol,
+        atol=setup.atol,
+        norm=setup.controller.norm,
+        max_steps=max_steps,
+    )
+    status = select_status(
+        [
+            (is_diverged(run.y["model"], setup.problem, setup.divergence_bound), Status.DIVERGED),
+            (run.outcome == STOPPED, Status.CONVERGED),
+            (run.outcome == REACHED_END, end_status),
+        ],
+        otherwise=Status.MAX_STEPS,
+    )
+    stats = StepStats(
+        num_steps=run.num_steps,
+        num_accepted_steps=run.num_accepted_steps,
+        num_rejected_steps=run.num_rejected_steps,
+        linear_iters=jnp.asarray(0, jnp.int32),
+        # f(y0) (which also tests y0), then every stage after the first of each step
+        rhs_evals=1 + rhs_evals_per_step(solver) * run.num_steps,
+        solver_code=jnp.asarray(0, jnp.int32),  # the loop has no failure mode of its own
+    )
+    return PhaseRun(run.y, run.t, status, stats, {})
+
+
+def loss_clock_phase(setup: Setup, solver, y0, tau_end, dt0, max_steps, n_samples, lean):
+    """The loss clock (t carried as a state) from τ = 0 to `tau_end`, or until the stopping
+    rule fires; with a finite horizon it also stops where t reaches `t_max`."""
+    if lean:
+        return lean_phase(setup, solver, loss_clock_rates, y0, tau_end, max_steps, CONTINUE)
+    grid = None
+    if n_samples:
+        grid = jnp.where(jnp.isfinite(tau_end), tau_end, 30.0) * jnp.linspace(0, 1, n_samples)
+    conditions = {"stop": setup.stop}
+    root_finder = None
+    if setup.finite_horizon:
+        # Relative, so that the root finder's absolute tolerance (1e-12) is within float64's
+        # resolution of t: as (t − t_max) it asked for 1e-12 at t ~ 1e4, where one ulp is
+        # 1.8e-12, never converged, and reported `failed` for a flow that had reached t_max.
+        conditions["t_max"] = lambda t, y, args, **kw: y["t"] / setup.t_max - 1.0
+        root_finder = optx.Newton(rtol=1e-12, atol=1e-12)
+    sol = _diffeqsolve(
+        setup,
+        loss_clock_field,
+        solver,
+        y0,
+        tau_end,
+        dt0,
+        FieldArgs(setup.problem, 0.0, True, setup.layer_mask),
+        max_steps,
+        diffrax.Event(conditions, root_finder=root_finder),
+        grid,
+    )
+    return _diffrax_run(setup, sol, solver, end_status=CONTINUE, samples=grid is not None)
+
+
+def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean) -> PhaseRun:
+    """Physical time from local time 0 (absolute time `t_offset`) to `t1`, or until the
+    stopping rule fires."""
+    if lean:
+        return lean_phase(setup, solver, physical_rates, y0, t1, max_steps, Status.T_MAX)
+    dtype = t_offset.dtype if hasattr(t_offset, "dtype") else jnp.float64
+    grid = None
+    if setup.save_ts is not None:
+        grid = jnp.clip(jnp.asarray(setup.save_ts, dtype) - t_offset, 0.0, t1)
+    elif setup.save:
+        loss, g = masked_loss_and_gradient(y0["model"], setup.problem, setup.layer_mask)
+        h = loss_time_scale(loss, tree_dot(g, g))
+        h = jnp.where(h > 0, h, 1.0)
+        hi = jnp.where(jnp.isfinite(t1), t1, h * 1e8)
+        lo = jnp.minimum(h * 1e-3, hi)
+        n = setup.save
+        grid = jnp.concatenate([jnp.zeros(1, dtype), jnp.geomspace(1.0, hi / lo, n - 1) * lo])
+        grid = jnp.minimum(grid, t1)
+    sol = _diffeqsolve(
+        setup,
+        physical_field,
+        solver,
+        y0,
+        t1,
+        dt0,
+        FieldArgs(setup.problem, t_offset, False, setup.layer_mask),
+        max_steps,
+        diffrax.Event({"stop": setup.stop}),
+        grid,
+    )
+    run = _diffrax_run(setup, sol, solver, end_status=Status.T_MAX, samples=grid is not None)
+    if setup.save_ts is not None:
+        # requested times outside this phase are clipped into it: mark them invalid
+        ts = jnp.asarray(setup.save_ts, dtype)
+        inside = (ts >= t_offset) & (ts <= t_offset + run.t)
+        samples = run.samples | {"t": jnp.where(inside, run.samples["t"], jnp.inf)}
+        run = eqx.tree_at(lambda r: r.samples, run, samples)
+    return run
+
+
+def _diffeqsolve(setup: Setup, field, solver, y0, t1, dt0, args, max_steps, event, grid):
+    """`diffeqsolve` from local time 0 to `t1`; it reports its failures, it does not raise."""
+    return diffrax.diffeqsolve(
+        diffrax.ODETerm(field),
+        solver,
+        t0=0.0,
+        t1=t1,
+        dt0=dt0,
+        y0=y0,
+        args=args,
+        stepsize_controller=setup.controller,
+        max_steps=max_steps,
+        event=event,
+        saveat=_saveat(grid, setup.summary),
+        throw=False,
+    )
+
+
+def _saveat(grid, summary_fn):
+    """Always the final state (and the solver state, which counts linear-solve iterations for
+    `Rodas4`); with a grid, also summaries at the grid points."""
+    if grid is None:
+        return diffrax.SaveAt(t1=True, solver_state=True)
+    return diffrax.SaveAt(
+        subs=[diffrax.SubSaveAt(t1=True), diffrax.SubSaveAt(ts=grid, fn=summary_fn)],
+        solver_state=True,
+    )
+
+
+def _diffrax_run(setup: Setup, sol, solver, end_status, samples: bool) -> PhaseRun:
+    ys = sol.ys[0] if isinstance(sol.ys, list | tuple) else sol.ys
+    ts = sol.ts[0] if isinstance(sol.ts, list | tuple) else sol.ts
+    y_end = jax.tree_util.tree_map(lambda x: x[-1], ys)
+    event = jnp.asarray(sol.result == diffrax.RESULTS.event_occurred)
+    mask = sol.event_mask
+    status = select_status(
+        [
+            (is_diverged(y_end["model"], setup.problem, setup.divergence_bound), Status.DIVERGED),
+            (event & mask["stop"], Status.CONVERGED),  # not diverged (above), so converged
+            (event & mask.get("t_max", False), Status.T_MAX),
+            (sol.result == diffrax.RESULTS.successful, end_status),
+            (sol.result == diffrax.RESULTS.max_steps_reached, Status.MAX_STEPS),
+        ],
+        otherwise=Status.FAILED,
+    )
+    num_steps = sol.stats["num_steps"]
+    per_step = rhs_evals_per_step(solver)
+    state = sol.solver_state
+    stats = StepStats(
+        num_steps=num_steps,
+        num_accepted_steps=sol.stats["num_accepted_steps"],
+        num_rejected_steps=sol.stats["num_rejected_steps"],
+        linear_iters=state["iters"] if isinstance(state, dict) else jnp.asarray(0, jnp.int32),
+        # explicit tableaus: known per step, +1 per step for the stopping rule, f(y0) and the
+        # test at y0; implicit: not counted
+        rhs_evals=num_steps * (per_step + 1) + 2
+        if per_step > 0
+        else jnp.where(num_steps > 0, -1, 0),
+        solver_code=solver_code(sol.result),
+    )
+    return PhaseRun(y_end, ts[-1], status, stats, dict(sol.ys[1]) if samples else {})

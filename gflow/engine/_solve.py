@@ -1,0 +1,265 @@
+"""The solve: a flow as up to three phases (docs/theory.md §5).
+
+1. The loss clock crosses the plateau of a small initialisation (t carried as a state), until
+   the loss has dropped by `loss_clock_until` (or not at all when the clock is physical).
+2. Physical time with the explicit solver (or the one solver that was forced).
+3. With `solver="auto"`: when the explicit solver has spent `explicit_steps` steps without
+   converging (a stiff tail), the L-stable Rosenbrock method RODAS4 to the end.
+
+Every phase starts where the previous one stopped; the first that reaches a final status
+(converged, diverged, t_max, …) ends the solve.
+"""
+
+from __future__ import annotations
+
+import math
+
+import diffrax
+import jax
+import jax.numpy as jnp
+
+from ..model import Factorization, tree_dot
+from ..problem import Problem
+from ._dynamics import MaskedRMS, loss_time_scale, masked_loss_and_gradient, physical_jacobian
+from ._options import SOLVERS, FlowOptions
+from ._phases import (
+    FiniteErrorPID,
+    PhaseRun,
+    Setup,
+    loss_clock_phase,
+    physical_phase,
+    summary,
+)
+from ._result import FlowResult, Phase, Status, Trajectory
+from ._rosenbrock import Rodas4
+from ._stopping import default_atol
+
+
+def solve(
+    problem: Problem, model: Factorization, options: FlowOptions, depth=None, batch_axis=None
+) -> FlowResult:
+    """The flow engine: pure, jittable, vmappable. Use `flow` for validation and timing.
+
+    `depth` (may be traced): train only the first `depth` layers; the others must be identity
+    matrices, which then stay frozen, so the product is that of a depth-`depth` network. This
+    lets one compiled program (and one batch) hold flows of several depths.
+
+    `batch_axis`: under `jax.vmap(..., axis_name=batch_axis)`, the name of that axis: a batch
+    in which no member reaches the stiff phase then skips it (otherwise every member pays for
+    its set-up)."""
+    dtype = model.layers[0].dtype
+    layer_mask = None if depth is None else (jnp.arange(model.depth) < depth).astype(dtype)
+    setup = _setup(problem, model, options, layer_mask)
+    solvers = _solvers(options, setup)
+    loss0, g0 = masked_loss_and_gradient(model, problem, layer_mask)
+    use_loss_clock, tau_switch = _loss_clock_span(problem, model, options, depth, loss0, g0)
+
+    y0 = {"model": model, "t": jnp.zeros((), dtype)}
+    if options.certificates:
+        y0["energy"] = jnp.zeros((), dtype)
+    n1 = options.save if options.clock_in_use != "physical" else 0
+    first = loss_clock_phase(
+        setup,
+        solvers["loss clock"],
+        y0,
+        tau_switch,
+        _dt0(options),
+        options.max_steps,
+        n1,
+        options.lean,
+    )
+    finished = use_loss_clock & (first.status >= 0)  # the loss clock ended the solve
+    t_switch = first.y["t"]
+    explicit = physical_phase(
+        setup,
+        solvers["explicit"],
+        {k: v for k, v in first.y.items() if k != "t"},
+        t_switch,
+        jnp.where(finished, 0.0, setup.t_max - t_switch),
+        _dt0(options),
+        options.explicit_steps if options.stiff_tail else options.max_steps,
+        options.lean,
+    )
+    end = _Ending(
+        y=explicit.y,  # a solve the loss clock finished ran a zero-length explicit phase
+        t=jnp.where(finished, t_switch, t_switch + explicit.t),
+        status=jnp.where(finished, first.status, explicit.status),
+        phase=jnp.where(finished, Phase.LOSS_CLOCK, Phase.EXPLICIT),
+        code=jnp.where(finished, first.stats.solver_code, explicit.stats.solver_code),
+    )
+    runs = [first, explicit]
+    if options.stiff_tail:
+        handover = (~finished) & (explicit.status == Status.MAX_STEPS)
+        tail = _stiff_tail(setup, solvers["stiff"], end, handover, batch_axis, options.max_steps)
+        end = end.then(handover, tail, Phase.STIFF_TAIL)
+        runs.append(tail)
+    else:
+        handover = None
+    trajectory = None
+    if options.save or options.save_ts is not None:
+        trajectory = _trajectory(runs, use_loss_clock, finished, handover, n1)
+    return _result(problem, options, loss0, runs, end, handover, trajectory, solvers)
+
+
+class _Ending:
+    """Where the solve stands after a phase: state, physical time, status, phase, solver code."""
+
+    def __init__(self, y, t, status, phase, code):
+        self.y, self.t, self.status, self.phase, self.code = y, t, status, phase, code
+
+    def then(self, taken, run: PhaseRun, phase) -> _Ending:
+        """This ending, or where `run` (which started here) ended, where `taken`."""
+        return _Ending(
+            y=_pick(taken, run.y, self.y, keys=self.y),
+            t=jnp.where(taken, self.t + run.t, self.t),
+            status=jnp.where(taken, run.status, self.status),
+            phase=jnp.where(taken, phase, self.phase),
+            code=jnp.where(taken, run.stats.solver_code, self.code),
+        )
+
+
+def _pick(condition, a: dict, b: dict, keys) -> dict:
+    return {
+        k: jax.tree_util.tree_map(lambda x, z: jnp.where(condition, x, z), a[k], b[k]) for k in keys
+    }
+
+
+def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
+    rtol = options.rtol
+    atol = options.atol if options.atol is not None else default_atol(model, rtol, layer_mask)
+    if options.fixed_step:
+        controller = diffrax.ConstantStepSize()
+    else:
+        norm = {} if layer_mask is None else {"norm": MaskedRMS(layer_mask)}
+        controller = FiniteErrorPID(rtol=rtol, atol=atol, **norm)
+    return Setup(
+        problem=problem,
+        layer_mask=layer_mask,
+        rtol=rtol,
+        atol=atol,
+        controller=controller,
+        t_max=jnp.asarray(options.t_max, model.layers[0].dtype),
+        divergence_bound=options.divergence_bound,
+        finite_horizon=math.isfinite(options.t_max),
+        save_ts=options.save_ts,
+        save=options.save,
+        summary=summary(options.save_layers, min(problem.shape)),
+    )
+
+
+def _solvers(options: FlowOptions, setup: Setup) -> dict:
+    """The solver of each phase. In physical time the Jacobian is −∇²loss (symmetric) and the
+    energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖²."""
+    stiff = Rodas4(
+        linear_solver=options.linear_solver,
+        step_tolerance=(setup.rtol, setup.atol),
+        symmetric=True,
+        passive=("energy",),
+        jacobian=physical_jacobian,
+    )
+    if not isinstance(options.solver, str):
+        explicit = options.solver
+    elif options.solver == "auto":
+        explicit = diffrax.Tsit5()
+    elif options.solver == "rodas4":
+        explicit = stiff
+    else:
+        explicit = SOLVERS[options.solver]()
+    loss_clock = explicit
+    if options.solver == "rodas4":
+        loss_clock = Rodas4(linear_solver="dense", step_tolerance=(setup.rtol, setup.atol))
+    return {"loss clock": loss_clock, "explicit": explicit, "stiff": stiff}
+
+
+def _dt0(options: FlowOptions):
+    return options.dt if options.fixed_step else None
+
+
+def _loss_clock_span(problem, model, options: FlowOptions, depth, loss0, g0):
+    """Whether the flow starts on the loss clock, and the τ at which it hands over: a long
+    initial loss time-scale (L ≥ 3, small α) against that of the fitted target."""
+    h0 = loss_time_scale(loss0, tree_dot(g0, g0))
+    depth = model.depth if depth is None else depth
+    target_scale = jnp.max(jnp.abs(problem.mask * problem.target))
+    h_ref = 1.0 / (depth * jnp.maximum(target_scale, 1e-300) ** (2.0 - 2.0 / depth))
+    clock = options.clock_in_use
+    if clock == "physical":
+        use = jnp.asarray(False)
+    elif clock == "loss":
+        use = jnp.asarray(True)
+    else:
+        use = (depth >= 3) & (h0 > 100.0 * h_ref)
+    tau_switch = jnp.where(use, 0.5 * math.log(1.0 / options.loss_clock_until), 0.0)
+    if clock == "loss":
+        tau_switch = jnp.asarray(jnp.inf, model.layers[0].dtype)
+    return use, tau_switch
+
+
+def _stiff_tail(setup: Setup, solver, end: _Ending, handover, batch_axis, max_steps) -> PhaseRun:
+    """The Rosenbrock phase from where the explicit one stopped. A real branch: a flow (or a
+    batch) the explicit phase finished never pays for its set-up; under vmap the branch needs
+    a predicate shared by the batch."""
+
+    def run():
+        return physical_phase(
+            setup,
+            solver,
+            end.y,
+            end.t,
+            jnp.where(handover, setup.t_max - end.t, 0.0),
+            None,
+            max_steps,
+            lean=False,
+        )
+
+    run_it = handover
+    if batch_axis is not None:
+        run_it = jax.lax.psum(handover.astype(jnp.int32), batch_axis) > 0
+    shapes = jax.eval_shape(run)
+    skipped = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.cond(run_it, run, skipped)
+
+
+def _trajectory(runs, use_loss_clock, finished, handover, n1) -> Trajectory:
+    """The samples of every phase that ran, in time order; those of a phase that did not run
+    are marked invalid (t = inf) and dropped by `Trajectory.compress`."""
+    parts = []
+    if n1:
+        parts.append(
+            runs[0].samples | {"t": jnp.where(use_loss_clock, runs[0].samples["t"], jnp.inf)}
+        )
+    for i, run in enumerate(runs[1:], start=1):
+        t = run.samples["t"]
+        if i == 2:
+            t = jnp.where(handover, t, jnp.inf)
+        parts.append(run.samples | {"t": jnp.where(finished, jnp.inf, t)})
+    cat = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
+    return Trajectory(cat["t"], cat["loss"], cat["sv"], cat.get("layers"))
+
+
+def _result(problem, options, loss0, runs, end: _Ending, handover, trajectory, solvers):
+    stats = [run.stats for run in runs]
+    implicit_ran = jnp.any(jnp.stack([s.rhs_evals < 0 for s in stats]))
+    if handover is not None:
+        linear_iters = jnp.where(handover, stats[2].linear_iters, 0)
+    elif isinstance(solvers["explicit"], Rodas4):
+        linear_iters = stats[1].linear_iters
+    else:
+        linear_iters = jnp.asarray(0, jnp.int32)
+    dtype = end.t.dtype
+    return FlowResult(
+        model=end.y["model"],
+        status=end.status,
+        t_end=end.t,
+        loss=problem.loss(end.y["model"].product()),
+        loss_init=loss0,
+        num_steps=sum(s.num_steps for s in stats),
+        num_accepted_steps=sum(s.num_accepted_steps for s in stats),
+        num_rejected_steps=sum(s.num_rejected_steps for s in stats),
+        num_rhs_evals=jnp.where(implicit_ran, -1, sum(s.rhs_evals for s in stats)),
+        num_linear_iters=linear_iters,
+        energy=end.y["energy"] if options.certificates else jnp.asarray(jnp.nan, dtype),
+        end_phase=end.phase.astype(jnp.int32),
+        solver_code=end.code.astype(jnp.int32),
+        trajectory=trajectory,
+    )

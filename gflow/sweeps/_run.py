@@ -1,0 +1,142 @@
+"""Running a sweep: chunk after chunk as vmapped batches, each written to the store when done."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+
+from ..analysis import effective_rank_of, family_spectrum, stable_rank_of
+from ..engine._flow import _compiled_solver
+from ._build import build_chunk
+from ._spec import SweepSpec, execution_order
+from ._store import _chunk_regions, _open_or_create, _template, to_grid
+
+
+def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np.ndarray]:
+    """Integrate the flows of one chunk (grid points as parameter dicts) as one vmapped batch,
+    padded to `chunk_size` so every chunk of a group shares one compiled program; returns
+    per-point result arrays."""
+    n_dev = len(devices) if devices else 1
+    size = -(-spec.chunk_size // n_dev) * n_dev  # every device gets an equal slice
+    padded = chosen + [chosen[-1]] * (size - len(chosen))
+    pad_to = spec.max_depth if spec.pads_depths else None
+    problems, models = build_chunk(padded, spec.problem, spec.init, pad_to)
+    depths = None
+    if pad_to is not None:
+        depths = np.array([int(p["depth"]) for p in padded], dtype=np.int32)
+    compiled, _ = _compiled_solver(
+        problems, models, spec.options, in_axes=(0, 0), devices=devices, depths=depths
+    )
+    result = compiled(problems, models) if depths is None else compiled(problems, models, depths)
+    jax.block_until_ready(result)
+    n = len(chosen)
+    out = {
+        "status": np.asarray(result.status)[:n].astype(np.int8),
+        "t_end": np.asarray(result.t_end)[:n],
+        "loss": np.asarray(result.loss)[:n],
+        "loss_init": np.asarray(result.loss_init)[:n],
+        "num_steps": np.asarray(result.num_steps)[:n].astype(np.int64),
+        "num_rejected_steps": np.asarray(result.num_rejected_steps)[:n].astype(np.int64),
+        "end_phase": np.asarray(result.end_phase)[:n].astype(np.int8),
+        "solver_code": np.asarray(result.solver_code)[:n].astype(np.int8),
+    }
+    x = np.asarray(result.model.product())[:n]
+    sigma = np.linalg.svd(x, compute_uv=False)
+    top = min(spec.top, sigma.shape[1])
+    out["sigma"] = np.full((n, spec.top), np.nan)
+    out["sigma"][:, :top] = sigma[:, :top]
+    out["stable_rank"] = np.array([stable_rank_of(s) for s in sigma])
+    out["effective_rank"] = np.array([effective_rank_of(s) for s in sigma])
+    if spec.init == "identity" and spec.problem != "bernoulli":
+        n_blocks = [p["dim"] if spec.problem == "diagonal" else p["blocks"] for p in chosen]
+        s_blocks = [1 if spec.problem == "diagonal" else p["block_size"] for p in chosen]
+        spectra = [
+            family_spectrum(result.member(i).model, n_blocks[i], s_blocks[i]) for i in range(n)
+        ]
+        out["log_sigma_a_layers"] = np.array([s["log_sigma_a"] for s in spectra])
+        out["log_sigma_b_layers"] = np.array([s.get("log_sigma_b", np.nan) for s in spectra])
+    steps = out["num_steps"].astype(float)
+    out["batch_efficiency"] = np.full(n, steps.mean() / max(steps.max(), 1.0))
+    return out
+
+
+def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=None, worker=None):
+    """Run every flow of `spec` and return the results as an `xarray.Dataset` with one
+    dimension per axis (see `to_grid`).
+
+    With `out` (a path ending in `.zarr`), results stream into that store chunk by chunk;
+    `resume=True` continues a store left by an interrupted run, recomputing only unfinished
+    chunks. Ctrl-C stops after the chunk in flight is discarded; every finished chunk is kept.
+    `devices`: spread each batch over these JAX devices (default: all local devices).
+    `worker=(k, n)`: one of n independent processes (hosts, Slurm array tasks) sharing the
+    store `out`: this one runs the chunks whose index is k mod n (and implies `resume`). Chunks
+    are disjoint zarr regions, so workers never write the same bytes; rerunning a worker after
+    a crash resumes it. The returned dataset holds whatever the store holds when it finishes.
+    """
+    import xarray as xr
+
+    if worker is not None:
+        k, n = worker
+        if out is None or not (isinstance(n, int) and n >= 1 and 0 <= k < n):
+            raise ValueError("worker=(k, n) needs 0 <= k < n and a shared store `out`")
+        resume = True
+    order = execution_order(spec)
+    points = spec.points()
+    devices = devices if devices is not None else jax.local_devices()
+    if out is None:
+        ds = _template(spec, order)
+        store = None
+    else:
+        ds = _open_or_create(out, spec, order, resume)
+        store = out
+    done = np.asarray(ds["done"].values)
+    run_id = os.getpid()
+    mine = _chunk_regions(order, worker)
+    todo = [(offset, idx) for offset, idx in mine if not done[offset : offset + len(idx)].all()]
+    total = sum(len(idx) for _, idx in mine)
+    bar = _progress(len(todo), total - sum(len(i) for _, i in todo), total, progress)
+    try:
+        for offset, idx in todo:
+            start = time.perf_counter()
+            res = run_chunk(spec, [points[i] for i in idx], devices)
+            wall = time.perf_counter() - start
+            region = slice(offset, offset + len(idx))
+            res["wall_time_s"] = np.full(len(idx), wall / len(idx))
+            res["run_id"] = np.full(len(idx), run_id, dtype=np.int64)
+            if store is None:
+                for name, values in res.items():
+                    ds[name][region] = values
+                ds["done"][region] = True
+            else:
+                chunk = xr.Dataset({name: (ds[name].dims, values) for name, values in res.items()})
+                chunk.to_zarr(store, region={"point": region}, consolidated=False)
+                flag = xr.Dataset({"done": ("point", np.ones(len(idx), dtype=bool))})
+                flag.to_zarr(store, region={"point": region}, consolidated=False)
+            bar.update(len(idx))
+    except KeyboardInterrupt:
+        bar.close()
+        print(
+            f"gflow sweep: interrupted; finished chunks are saved{' in ' + str(out) if out else ''}"
+        )
+        raise
+    bar.close()
+    if store is not None:
+        ds = xr.open_zarr(store, consolidated=False).load()
+    return to_grid(ds)
+
+
+def _progress(chunks, already, total, enabled):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=total,
+        initial=already,
+        unit="flow",
+        disable=not enabled,
+        desc=f"sweep ({chunks} chunks to run)",
+        smoothing=0.1,
+    )
+    return bar
