@@ -17,6 +17,10 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `--dept 3` is an error, not `--depth 3`
+        super().__init__(*args, **kwargs)
+
     def error(self, message):
         raise UsageError(message)
 
