@@ -10,11 +10,35 @@ import gflow.cli
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
-def test_python_example_runs():
+def _numbers(text):
+    return re.findall(r"[-+]?\d+\.?\d*(?:e[-+]?\d+)?", text)
+
+
+def test_python_example_prints_what_the_readme_says(capsys):
+    """Every `print(...)  # comment` of the example prints the numbers of its comment, to the
+    digits the comment shows."""
     block = re.search(r"## Python API\n\n```python\n(.*?)```", README, re.S).group(1)
     namespace = {}
     exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["result"].status_label == "converged"
+    printed = capsys.readouterr().out.splitlines()
+    claims = [line.split("#", 1)[1] for line in block.splitlines() if line.startswith("print(")]
+    assert len(printed) == len(claims)
+    checked = 0
+    for out, claim in zip(printed, claims, strict=True):
+        if claim.split()[0].rstrip(":") in ("converged", "theory") or "[" in claim:
+            expected = _numbers(claim.replace("theory:", ""))
+            got = _numbers(out)[: len(expected)]
+            assert len(got) == len(expected), (out, claim)
+            for g, e in zip(got, expected, strict=True):
+                mantissa = e.split("e")[0]
+                digits = len(mantissa.replace("-", "").replace(".", "").lstrip("0")) or 1
+                assert abs(float(g) - float(e)) <= 0.51 * 10.0 ** (1 - digits) * abs(float(e)), (
+                    out,
+                    claim,
+                )
+                checked += 1
+    assert checked >= 6
 
 
 def test_quick_start_commands_are_the_ci_commands():
