@@ -121,7 +121,7 @@ def _existing(path):
 
 
 def _config(args) -> dict:
-    return {k: v for k, v in vars(args).items() if k not in ("func", "json", "command")}
+    return {k: v for k, v in vars(args).items() if k not in ("func", "json", "command", "no_cache")}
 
 
 def _jsonable(x):
@@ -204,7 +204,23 @@ def cmd_theory(args) -> int:
         raise UsageError("gflow theory covers --init identity (the family of docs/theory.md)")
     report = gflow.family_prediction(args.depth, n, s, args.alpha, args.m, args.value, t=args.t)
     report["config"] = _config(args)
-    print(json.dumps(_jsonable(report)))
+    if args.json:
+        print(json.dumps(_jsonable(report)))
+        return 0
+    mult = report["multiplicities"]
+    at = "t = ∞" if math.isinf(args.t) else f"t = {args.t:g}"
+    print(
+        f"identity family  L = {args.depth}, n = {n}, s = {s}, α = {args.alpha:g}, m = {args.m:g}"
+    )
+    print("limit t = ∞ of σ_A, σ_B from the implicit equations (docs/theory.md §3):")
+    print(f"  σ_A  {report['sigma_a']:.12g}   (×{mult['a']})")
+    if mult["b"]:
+        print(f"  σ_B  {report['sigma_b']:.12g}   (×{mult['b']})")
+    if mult["c"]:
+        print(f"  σ_C  {report['sigma_c']:.6g}   (×{mult['c']}, at {at}: §2 item 3)")
+    print(f"stable rank     {report['stable_rank']:.15g}")
+    print(f"effective rank  {report['effective_rank']:.15g}")
+    print(f"escape time     {report['escape_time']:.6g}")
     return 0
 
 
@@ -232,6 +248,17 @@ def cmd_plasticity(args) -> int:
     if args.json:
         print(json.dumps(_jsonable(rows)))
         return 0
+    if args.study == "2x2":
+        print(
+            "2×2 study: pretrain on the diagonal from αF_m, resume with X₁₂ (warm) or start afresh "
+            "(cold); X21 = the unobserved entry (truth 1), srank = stable rank, moved = "
+            "‖W_end − W_start‖/‖W_start‖ after resuming"
+        )
+    else:
+        print(
+            "d×d study: pretrain on the diagonal (Ω₁), resume on a connected Ω₂ ⊇ Ω₁ (warm) or "
+            "start afresh on Ω₂ (cold); srank = stable rank, moved = ‖W_end − W_start‖/‖W_start‖"
+        )
     for row in rows:
         if args.study == "2x2":
             w, c = row["warm"], row["cold"]
@@ -314,6 +341,7 @@ def make_parser() -> argparse.ArgumentParser:
     theory = sub.add_parser("theory", help="predicted singular values for the identity family")
     _add_problem_options(theory)
     theory.add_argument("--t", type=_float_or_inf, default=math.inf, help="time for σ_C(t)")
+    theory.add_argument("--json", action="store_true", help="print one JSON object")
     theory.set_defaults(func=cmd_theory)
     plast = sub.add_parser("plasticity", help="pretrain on few entries, resume warm vs cold")
     plast.add_argument("--study", choices=["2x2", "dxd"], default="2x2")

@@ -36,7 +36,7 @@ def test_a_second_process_hits_the_cache_and_gets_identical_results(two_processe
     assert first["compile_cache_hit"] is False and second["compile_cache_hit"] is True
     assert second["compile_time_s"] < first["compile_time_s"] / 4
     assert _endpoint(second) == _endpoint(first)
-    programs = list((cache / "gflow-programs").glob("*.pkl"))
+    programs = list((cache / "gflow-programs").glob("*.jaxexport"))
     assert len(programs) == 1 and not list(cache.glob("**/*.tmp"))
 
 
@@ -56,7 +56,7 @@ def test_a_damaged_program_file_is_recompiled_not_fatal(two_processes, tmp_path)
     cache, first, _ = two_processes
     copy = tmp_path / "xla"
     subprocess.run(["cp", "-r", str(cache), str(copy)], check=True)
-    (program,) = (copy / "gflow-programs").glob("*.pkl")
+    (program,) = (copy / "gflow-programs").glob("*.jaxexport")
     program.write_bytes(program.read_bytes()[:1000])  # a writer killed half-way
     report = _run(copy)
     assert _endpoint(report) == _endpoint(first)

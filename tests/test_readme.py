@@ -48,8 +48,16 @@ def test_quick_start_commands_are_the_ci_commands():
     assert "gflow reproduce" in README
 
 
+def test_theory_cli_prints_a_summary_and_json_on_request(capsys):
+    assert gflow.cli.main(["theory", "--depth", "3", "--alpha", "1e-2", "--dim", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "σ_B  2.20581801274e-06   (×3)" in text and "stable rank     1.000000000000" in text
+
+
 def test_theory_cli(capsys):
-    assert gflow.cli.main(["theory", "--depth", "6", "--alpha", "1e-4", "--dim", "4"]) == 0
+    assert (
+        gflow.cli.main(["theory", "--depth", "6", "--alpha", "1e-4", "--dim", "4", "--json"]) == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert abs(report["sigma_b"] / 1.8738026254e-25 - 1) < 1e-9
     assert (
@@ -68,6 +76,7 @@ def test_theory_cli(capsys):
                 "0.1",
                 "--t",
                 "1000",
+                "--json",
             ]
         )
         == 0

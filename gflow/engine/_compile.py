@@ -119,37 +119,46 @@ def compile_timed(fn, *args, kind: str, key=None, out_like=None):
     """`jax.jit(fn)` compiled for `args`: (a callable taking `args`, its `CompileTime`).
 
     With a `key` (a string naming the program: its options and batching) and `out_like` (any
-    pytree of the output's structure), the executable is also kept whole in the cache directory
-    and loaded by the next process without tracing or lowering `fn` again, which is most of the
-    time of a cache hit. The file's name hashes the key with everything else a program depends
-    on (argument shapes, gflow's own source, the JAX version, the device, XLA's flags), so an
-    edit to gflow or an upgrade never loads a stale program; an unreadable file is recompiled.
-    Programs are stored flat (arrays in, arrays out): pytree definitions do not survive pickling.
+    pytree of the output's structure), the traced program is also kept in the cache directory
+    (`jax.export`) and the next process compiles it from there without tracing `fn` again,
+    which is most of the time of a start-up; XLA's compilation of it then comes from JAX's own
+    persistent cache. The file's name hashes the key with everything else a program depends on
+    (argument shapes, gflow's own source, the JAX version, the device, XLA's flags), so an edit
+    to gflow or an upgrade never loads a stale program; an unreadable file is retraced.
+    Programs are stored flat (arrays in, arrays out): Equinox modules are not registered for
+    `jax.export`'s serialisation of pytrees.
     """
     _COUNTS[kind] += 1
     start = time.perf_counter()
-    in_tree = jax.tree_util.tree_structure(args)
+    leaves, in_tree = jax.tree_util.tree_flatten(args)
     out_tree = None if out_like is None else jax.tree_util.tree_structure(out_like)
     path = None if out_tree is None else _program_path(key, args)
-    if path is not None:
-        loaded = _load(path)
-        if loaded is not None:
-            return _unflattening(loaded, out_tree), CompileTime(time.perf_counter() - start, True)
     hits = cache_hits()
+    if path is not None:
+        exported = _load(path)
+        if exported is not None:
+            compiled = jax.jit(exported.call).lower(*leaves).compile()
+            program = _unflattening(compiled, out_tree)
+            return program, CompileTime(time.perf_counter() - start, cache_hits() > hits)
     structure = {}
 
-    def flat_fn(*leaves):
+    def flat_fn(*flat):
         out_leaves, structure["out"] = jax.tree_util.tree_flatten(
-            fn(*jax.tree_util.tree_unflatten(in_tree, leaves))
+            fn(*jax.tree_util.tree_unflatten(in_tree, flat))
         )
         return out_leaves
 
-    compiled = jax.jit(flat_fn).lower(*jax.tree_util.tree_leaves(args)).compile()
-    elapsed = time.perf_counter() - start
-    if path is not None and structure["out"] == out_tree:
-        _store(path, compiled)
+    if path is None:
+        compiled = jax.jit(flat_fn).lower(*leaves).compile()
+    else:
+        from jax import export
+
+        exported = export.export(jax.jit(flat_fn))(*leaves)
+        compiled = jax.jit(exported.call).lower(*leaves).compile()
+        if structure["out"] == out_tree:
+            _store(path, exported)
     program = _unflattening(compiled, structure["out"])
-    return program, CompileTime(elapsed, cache_hits() > hits)
+    return program, CompileTime(time.perf_counter() - start, cache_hits() > hits)
 
 
 def _unflattening(compiled, out_tree):
@@ -181,7 +190,7 @@ def _program_path(key, args) -> Path | None:
         os.environ.get("XLA_FLAGS", ""),
     )
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()
-    return Path(directory) / "gflow-programs" / f"{digest}.pkl"
+    return Path(directory) / "gflow-programs" / f"{digest}.jaxexport"
 
 
 def _source_hash() -> str:
@@ -199,33 +208,27 @@ _SOURCE: dict = {}
 
 
 def _load(path: Path):
-    import pickle
-
-    from jax.experimental import serialize_executable
+    """The exported program at `path`, or None (missing, partly written, another build)."""
+    from jax import export
 
     try:
-        payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-        compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    except Exception:  # missing, partly written by a crashed process, or from another build
+        return export.deserialize(bytearray(path.read_bytes()))
+    except Exception:
         return None
-    return compiled
 
 
-def _store(path: Path, compiled) -> None:
+def _store(path: Path, exported) -> None:
     """Write atomically (a temporary name, then rename): a concurrent reader sees the whole
     file or none."""
-    import pickle
     import tempfile
 
-    from jax.experimental import serialize_executable
-
     try:
-        blob = pickle.dumps(serialize_executable.serialize(compiled))
+        blob = exported.serialize()
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
             f.write(blob)
         os.replace(f.name, path)
-    except Exception:  # a program that cannot be serialized is still usable in this process
+    except Exception:  # a program that cannot be written is still usable in this process
         return
 
 
