@@ -113,6 +113,14 @@ def _converged(row) -> bool:
     return row.get("status", "converged") in ("converged", int(Status.CONVERGED))
 
 
+def _rank_excess(row, n, s) -> float:
+    """stable rank − 1 from the family's singular values (docs/theory.md §11): computed as
+    `stable_rank − 1` it is lost to rounding below 1e-16 and vanishes from a log axis."""
+    ratio_b = row["sigma_b"] / row["sigma_a"]
+    ratio_c = row.get("sigma_c", 0.0) / row["sigma_a"]
+    return (n - 1) * ratio_b**2 + n * (s - 1) * ratio_c**2
+
+
 def plot_rank_vs_alpha(
     rows: list[dict],
     *,
@@ -151,7 +159,7 @@ def plot_rank_vs_alpha(
         for reached, style in ((True, dict(marker="o", color=color, mfc="none")), (False, off)):
             pts = [r for r in rows if r["L"] == depth and _converged(r) == reached]
             xs = [r["alpha"] for r in pts]
-            axes[0].plot(xs, [r["stable_rank"] - 1 for r in pts], ls="none", **style)
+            axes[0].plot(xs, [_rank_excess(r, n, s) for r in pts], ls="none", **style)
             axes[1].plot(xs, [r["sigma_b"] / r["sigma_a"] for r in pts], ls="none", **style)
     axes[0].plot([], [], "ok", mfc="none", label="integrated endpoint (gflow)")
     if not all(_converged(r) for r in rows):

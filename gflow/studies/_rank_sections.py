@@ -238,7 +238,10 @@ def spectra_section(ds, out):
     fig, ax = plt.subplots(figsize=(5.5, 4), constrained_layout=True)
     alpha = float(min(ds["alpha"].values))
     statuses = []
-    for depth in ds["depth"].values:
+    depths = ds["depth"].values
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(depths)))  # fig 1's colours per depth
+    sigma_1 = None
+    for depth, color in zip(depths, colors, strict=True):
         point = ds.sel(depth=depth, alpha=alpha).isel(m=0)
         statuses.append(int(point["status"]))
         if statuses[-1] != 0:
@@ -246,7 +249,12 @@ def spectra_section(ds, out):
         la, lb = float(point["log_sigma_a_layers"]), float(point["log_sigma_b_layers"])
         n = ds.sizes["k"]
         values = [math.exp(la)] + [math.exp(lb)] * (n - 1)
-        ax.semilogy(range(1, n + 1), values, "o-", label=f"L = {depth}")
+        ax.semilogy(range(1, n + 1), values, "o-", color=color, label=f"L = {depth}")
+        sigma_1 = values[0] if sigma_1 is None else max(sigma_1, values[0])
+    if sigma_1 is not None:
+        ax.axhline(
+            1e-15 * sigma_1, color="0.4", ls=":", label="SVD of X resolves only above 1e-15·σ₁"
+        )
     ax.set_xlabel("index i")
     ax.set_ylabel("singular value σ_i (from the layers)")
     ax.set_xticks(range(1, ds.sizes["k"] + 1))

@@ -43,7 +43,8 @@ def plasticity_section(size, out, bar):
         f"Depth 2 loses plasticity: warm stable rank {l2['warm_stable_rank']:.4f} vs cold "
         f"{l2['cold_stable_rank']:.4f} (it moves only {l2['warm_distance']:.3f} of its norm); "
         f"the 2×2 warm start has the wrong sign exactly for m > m* ({'yes' if sign_ok else 'NO'}). "
-        "Depth 3 after coupled pretraining recovers. "
+        "Depth 3 after coupled pretraining recovers. The right panel's axis starts at stable "
+        "rank 1 (rank one): its gaps are small in absolute terms. "
         + (
             f"{not_reached} of the {curve_values.size} 2×2 warm starts did not converge and are "
             "left out. "
@@ -99,6 +100,7 @@ def _plasticity_figure(curves, rows, size, out) -> str:
     axes[1].set_xticks(depths)
     axes[1].set_xlabel("depth L")
     axes[1].set_ylabel("stable rank after training on Ω₂")
+    axes[1].set_ylim(bottom=1.0)  # the baseline: stable rank 1 is a rank-one matrix
     axes[1].set_title(f"{size['dxd']}×{size['dxd']}, X* = J, Ω₁ = diag ⊂ Ω₂ (connected)")
     axes[1].legend()
     return _figure(fig, out, "fig4_plasticity.png")
