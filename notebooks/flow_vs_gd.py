@@ -68,7 +68,7 @@ for depth in DEPTHS:
     ax.loglog(lrs, err[good], "o-", label=f"L = {depth} (slope {slope:.2f})")
 ax.set_xlabel("learning rate")
 ax.set_ylabel("max relative error of singular values vs flow")
-ax.set_title("GD endpoint error vs lr (identity family, α = 0.3, m = 4)")
+ax.set_title("GD endpoint error vs learning rate\n(identity family, α = 0.3, m = 4)")
 ax.legend()
 fig.savefig(OUT / "flow_vs_gd_error.png", dpi=120)
 if any(d >= 3 for d in DEPTHS):
@@ -103,8 +103,17 @@ for depth in depths:
     print(f"L = {depth}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in ranks.items()))
 
 fig, ax = plt.subplots(figsize=(5, 4), constrained_layout=True)
+# the flow drawn large and hollow, so that an optimizer landing on it does not hide it
+styles = {
+    "flow": dict(marker="o", ms=12, mfc="none", lw=3, alpha=0.6),
+    "sgd": dict(marker="s", ms=5, ls="--"),
+    "adam": dict(marker="^", ms=5, ls="-."),
+    "rmsprop": dict(marker="v", ms=5, ls=":"),
+}
 for name, values in ranks.items():
-    ax.plot(depths, values, "o-", label=name)
+    missing = [L for L, v in zip(depths, values, strict=True) if np.isnan(v)]
+    note = f" (no endpoint at L = {', '.join(map(str, missing))})" if missing else ""
+    ax.plot(depths, values, label=name + note, **styles[name])
 ax.set_xlabel("depth L")
 ax.set_ylabel("stable rank of the endpoint")
 ax.set_xticks(depths)

@@ -84,7 +84,7 @@ ax.plot(depths, [endpoint(r, "cold") for r in rows], "s--", label="cold (fresh i
 ax.set_xlabel("depth L")
 ax.set_ylabel("stable rank after training on Ω₂")
 ax.set_xticks(depths)
-ax.set_title(f"{d}×{d}, X* = J, Ω₁ = diagonal ⊂ Ω₂ connected, α = 0.1, m = 4")
+ax.set_title(f"{d}×{d}, X* = J, Ω₁ = diagonal ⊂ Ω₂ connected\nα = 0.1, m = 4")
 ax.legend()
 fig.savefig(OUT / "plasticity_dxd.png", dpi=120)
 
