@@ -400,9 +400,9 @@ def test_a_bad_axis_is_refused_before_the_store_exists(tmp_path, axes, message):
     lines = [f"{k} = {v}" for k, v in axes.items()]
     config.write_text("[axes]\n" + "\n".join(lines) + "\n")
     store = tmp_path / "bad.zarr"
-    from gflow import _cli
+    from gflow import cli
 
-    assert _cli.main(["sweep", str(config), "--out", str(store), "--quiet"]) == 2
+    assert cli.main(["sweep", str(config), "--out", str(store), "--quiet"]) == 2
     assert not store.exists()
     with pytest.raises(ValueError, match=message):
         gflow.SweepSpec(axes=axes)
