@@ -9,7 +9,13 @@ import os
 import sys
 from pathlib import Path
 
+from .engine import FlowOptions
+from .engine._options import CLOCKS
+from .sweeps._spec import DEFAULTS
+
 EXAMPLE_SWEEP = Path(__file__).parent / "configs" / "sweep_example.toml"
+# One set of defaults: a grid point's (sweeps, TOML) and FlowOptions' are also the CLI's.
+FLOW_DEFAULTS = FlowOptions()
 
 
 class UsageError(Exception):
@@ -40,27 +46,48 @@ def _add_problem_options(p: argparse.ArgumentParser) -> None:
         default="diagonal",
         help="observation pattern (default: diagonal)",
     )
-    g.add_argument("--dim", type=int, default=4, help="matrix size d (diagonal, bernoulli)")
-    g.add_argument("--blocks", type=int, default=2, help="number of blocks n (block-diagonal)")
-    g.add_argument("--block-size", type=int, default=2, help="block size s (block-diagonal)")
-    g.add_argument("--density", type=float, default=0.5, help="observation probability p")
-    g.add_argument("--rank", type=int, default=1, help="rank of the bernoulli ground truth")
-    g.add_argument("--value", type=float, default=1.0, help="ground-truth value w (X* = wJ)")
-    g.add_argument("--noise", type=float, default=0.0, help="std of observation noise")
+    g.add_argument(
+        "--dim", type=int, default=DEFAULTS["dim"], help="matrix size d (diagonal, bernoulli)"
+    )
+    g.add_argument(
+        "--blocks", type=int, default=DEFAULTS["blocks"], help="number of blocks n (block-diagonal)"
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULTS["block_size"],
+        help="block size s (block-diagonal)",
+    )
+    g.add_argument(
+        "--density", type=float, default=DEFAULTS["density"], help="observation probability p"
+    )
+    g.add_argument(
+        "--rank", type=int, default=DEFAULTS["rank"], help="rank of the bernoulli ground truth"
+    )
+    g.add_argument(
+        "--value", type=float, default=DEFAULTS["value"], help="ground-truth value w (X* = wJ)"
+    )
+    g.add_argument(
+        "--noise", type=float, default=DEFAULTS["noise"], help="std of observation noise"
+    )
     g.add_argument("--target", help="target matrix .npy (--problem file)")
     g.add_argument("--mask", help="0/1 mask .npy (--problem file)")
     g = p.add_argument_group("initialisation")
-    g.add_argument("--depth", type=int, default=3, help="number of layers L (default 3)")
+    g.add_argument("--depth", type=int, default=DEFAULTS["depth"], help="number of layers L")
     g.add_argument(
         "--init", choices=["identity", "gaussian", "orthogonal", "file"], default="identity"
     )
-    g.add_argument("--alpha", type=_float_or_inf, default=0.01, help="init scale α per layer")
-    g.add_argument("--m", type=_float_or_inf, default=4.0, help="identity-family m (inf allowed)")
+    g.add_argument(
+        "--alpha", type=_float_or_inf, default=DEFAULTS["alpha"], help="init scale α per layer"
+    )
+    g.add_argument(
+        "--m", type=_float_or_inf, default=DEFAULTS["m"], help="identity-family m (inf allowed)"
+    )
     g.add_argument("--init-file", help="layers .npy stack (L, d, d) or .npz (--init file)")
     g.add_argument(
         "--seed",
         type=int,
-        default=0,
+        default=DEFAULTS["seed"],
         help="PRNG seed: the problem's key and the init's key are gflow.seed_keys(seed), "
         "as in sweeps",
     )
@@ -71,11 +98,11 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("solver")
     g.add_argument("--solver", choices=["auto", *sorted(SOLVERS)], default="auto")
-    g.add_argument("--rtol", type=float, default=1e-10)
+    g.add_argument("--rtol", type=float, default=FLOW_DEFAULTS.rtol)
     g.add_argument("--atol", type=float, default=None, help="default: scaled to the init")
-    g.add_argument("--t-max", type=_float_or_inf, default=math.inf)
-    g.add_argument("--max-steps", type=int, default=100_000)
-    g.add_argument("--clock", choices=["auto", "physical", "loss"], default="auto")
+    g.add_argument("--t-max", type=_float_or_inf, default=FLOW_DEFAULTS.t_max)
+    g.add_argument("--max-steps", type=int, default=FLOW_DEFAULTS.max_steps)
+    g.add_argument("--clock", choices=list(CLOCKS), default=FLOW_DEFAULTS.clock)
 
 
 def build_problem(args):

@@ -161,3 +161,20 @@ def test_one_seed_means_the_same_problem_and_init_everywhere(problem_kind, init_
             np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="seed must be a non-negative integer"):
         gflow.seed_keys(-1)
+
+
+def test_the_cli_uses_the_defaults_of_sweeps_and_flow_options():
+    from gflow.cli import make_parser
+    from gflow.sweeps._spec import DEFAULTS
+
+    args = make_parser().parse_args(["run"])
+    for name in ("dim", "blocks", "block_size", "density", "rank", "value", "noise", "depth"):
+        assert getattr(args, name) == DEFAULTS[name], name
+    assert (args.alpha, args.m, args.seed) == (DEFAULTS["alpha"], DEFAULTS["m"], DEFAULTS["seed"])
+    options = gflow.FlowOptions()
+    assert (args.rtol, args.t_max, args.max_steps, args.clock) == (
+        options.rtol,
+        options.t_max,
+        options.max_steps,
+        options.clock,
+    )
