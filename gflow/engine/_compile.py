@@ -148,12 +148,10 @@ def compile_timed(fn, *args, kind: str, key=None, out_like=None):
         )
         return out_leaves
 
-    if path is None:
+    exported = None if path is None else _export(flat_fn, leaves)
+    if exported is None:
         compiled = jax.jit(flat_fn).lower(*leaves).compile()
     else:
-        from jax import export
-
-        exported = export.export(jax.jit(flat_fn))(*leaves)
         compiled = jax.jit(exported.call).lower(*leaves).compile()
         if structure["out"] == out_tree:
             _store(path, exported)
@@ -205,6 +203,18 @@ def _source_hash() -> str:
 
 
 _SOURCE: dict = {}
+
+
+def _export(flat_fn, leaves):
+    """`jax.export` of the program, or None where it refuses: programs whose XLA custom calls
+    carry no compatibility guarantee (e.g. the LAPACK QR that lineax uses in Kvaerno5's
+    Newton solves) cannot be exported; they are traced again and kept by JAX's cache only."""
+    from jax import export
+
+    try:
+        return export.export(jax.jit(flat_fn))(*leaves)
+    except ValueError:
+        return None
 
 
 def _load(path: Path):
