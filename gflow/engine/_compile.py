@@ -206,14 +206,15 @@ _SOURCE: dict = {}
 
 
 def _export(flat_fn, leaves):
-    """`jax.export` of the program, or None where it refuses: programs whose XLA custom calls
-    carry no compatibility guarantee (e.g. the LAPACK QR that lineax uses in Kvaerno5's
-    Newton solves) cannot be exported; they are traced again and kept by JAX's cache only."""
+    """`jax.export` of the program, or None where it refuses: programs with XLA custom calls
+    that carry no compatibility guarantee (the LAPACK QR lineax uses in Kvaerno5's Newton
+    solves) or with host callbacks cannot be exported; they are traced again and kept by JAX's
+    cache only. (An error of the program itself is raised again by that second trace.)"""
     from jax import export
 
     try:
         return export.export(jax.jit(flat_fn))(*leaves)
-    except ValueError:
+    except Exception:
         return None
 
 
