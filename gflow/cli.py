@@ -46,30 +46,17 @@ def _add_problem_options(p: argparse.ArgumentParser) -> None:
         default="diagonal",
         help="observation pattern (default: diagonal)",
     )
-    g.add_argument(
-        "--dim", type=int, default=DEFAULTS["dim"], help="matrix size d (diagonal, bernoulli)"
-    )
-    g.add_argument(
-        "--blocks", type=int, default=DEFAULTS["blocks"], help="number of blocks n (block-diagonal)"
-    )
-    g.add_argument(
-        "--block-size",
-        type=int,
-        default=DEFAULTS["block_size"],
-        help="block size s (block-diagonal)",
-    )
-    g.add_argument(
-        "--density", type=float, default=DEFAULTS["density"], help="observation probability p"
-    )
-    g.add_argument(
-        "--rank", type=int, default=DEFAULTS["rank"], help="rank of the bernoulli ground truth"
-    )
-    g.add_argument(
-        "--value", type=float, default=DEFAULTS["value"], help="ground-truth value w (X* = wJ)"
-    )
-    g.add_argument(
-        "--noise", type=float, default=DEFAULTS["noise"], help="std of observation noise"
-    )
+    for flag, kind, help_text in (
+        ("--dim", int, "matrix size d (diagonal, bernoulli)"),
+        ("--blocks", int, "number of blocks n (block-diagonal)"),
+        ("--block-size", int, "block size s (block-diagonal)"),
+        ("--density", float, "observation probability p"),
+        ("--rank", int, "rank of the bernoulli ground truth"),
+        ("--value", float, "ground-truth value w (X* = wJ)"),
+        ("--noise", float, "std of observation noise"),
+    ):
+        default = DEFAULTS[flag[2:].replace("-", "_")]
+        g.add_argument(flag, type=kind, default=default, help=help_text)
     g.add_argument("--target", help="target matrix .npy (--problem file)")
     g.add_argument("--mask", help="0/1 mask .npy (--problem file)")
     g = p.add_argument_group("initialisation")
