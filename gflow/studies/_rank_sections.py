@@ -235,7 +235,7 @@ def coupling_section():
 def spectra_section(ds, out):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 4), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(7.5, 4), constrained_layout=True)
     alpha = float(min(ds["alpha"].values))
     statuses = []
     depths = ds["depth"].values
@@ -259,7 +259,7 @@ def spectra_section(ds, out):
     ax.set_ylabel("singular value σ_i (from the layers)")
     ax.set_xticks(range(1, ds.sizes["k"] + 1))
     ax.set_title(f"Endpoint spectra, identity family, α = {alpha:g}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside, not on, lines
     name = _figure(fig, out, "fig3_spectra.png")
     caption = (
         "The tail of the spectrum falls like α^L with depth: the SVD of the product could "
