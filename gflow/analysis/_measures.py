@@ -63,7 +63,7 @@ def unobserved_error(x, problem: Problem) -> dict:
     target = np.asarray(problem.target)
     off = np.asarray(problem.mask) == 0
     err = (x - target)[off]
-    truth = np.linalg.norm(target[off])
+    truth = float(np.linalg.norm(target[off]))
     abs_err = float(np.linalg.norm(err))
     return {
         "abs": abs_err,
