@@ -1,5 +1,6 @@
-"""The persistent compilation cache: a compiled flow is kept on disk and reused by the next
-process that needs the same program (same options, shapes, devices and JAX version).
+"""Compiling each program once: in this process (`program`: one executable per kind, options,
+batching and argument shapes, counted by `compile_count`) and across processes (the persistent
+caches on disk: JAX's compiled executables and gflow's exported, traced programs).
 
 On by default, in ``$GFLOW_CACHE_DIR``, else ``$XDG_CACHE_HOME/gflow/xla``, else
 ``~/.cache/gflow/xla``. ``GFLOW_NO_CACHE=1`` (or ``gflow --no-cache``) turns it off; a cache
