@@ -29,7 +29,6 @@ from .engine import compile_count as compile_count
 from .engine import flow as flow
 from .engine import flow_batch as flow_batch
 from .engine import pad_depth as pad_depth
-from .engine import solve as solve
 from .engine import stack as stack
 from .inits import gaussian as gaussian
 from .inits import identity_family as identity_family
@@ -67,7 +66,7 @@ __all__ = [
     "Trajectory",
     "flow",
     "flow_batch",
-    "solve",
+    "solve",  # noqa: F405  (a lazy attribute, see __getattr__)
     "stack",
     "pad_depth",
     "compile_count",
@@ -86,3 +85,11 @@ __all__ = [
     "studies",
     "sweeps",
 ]
+
+
+def __getattr__(name):
+    if name == "solve":  # imported on first use: it pulls in diffrax (see gflow.engine)
+        from .engine._solve import solve
+
+        return solve
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

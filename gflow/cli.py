@@ -81,7 +81,7 @@ def _add_problem_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_solver_options(p: argparse.ArgumentParser) -> None:
-    from .engine import SOLVERS
+    from .engine._options import SOLVERS
 
     g = p.add_argument_group("solver")
     g.add_argument("--solver", choices=["auto", *sorted(SOLVERS)], default="auto")

@@ -11,8 +11,6 @@ from ._result import FlowResult as FlowResult
 from ._result import Phase as Phase
 from ._result import Status as Status
 from ._result import Trajectory as Trajectory
-from ._rosenbrock import Rodas4 as Rodas4
-from ._solve import solve as solve
 from ._stopping import remaining_distance_ratio as remaining_distance_ratio
 
 __all__ = [
@@ -31,3 +29,17 @@ __all__ = [
     "solve",
     "stack",
 ]
+
+
+def __getattr__(name):
+    # The engine's diffrax side (the solve and RODAS4) is imported on first use, so that a
+    # process whose programs come from the cache never imports diffrax.
+    if name == "solve":
+        from ._solve import solve
+
+        return solve
+    if name == "Rodas4":
+        from ._rosenbrock import Rodas4
+
+        return Rodas4
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

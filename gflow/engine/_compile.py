@@ -108,8 +108,10 @@ def program(kind: str, config, args, make_fn, *, extra=(), out_like=None, rememb
     if hit is not None:
         return hit, ALREADY_COMPILED
     file_key = repr((kind, fields_of(config), extra)) if remember else None
+    # `make_fn` is called only if the program is traced: a program loaded from the cache
+    # never imports what building it needs (diffrax, for flows)
     compiled, compile_time = compile_timed(
-        make_fn(), *args, kind=kind, key=file_key, out_like=out_like
+        lambda *a: make_fn()(*a), *args, kind=kind, key=file_key, out_like=out_like
     )
     if remember:
         _PROGRAMS[key] = compiled

@@ -15,7 +15,6 @@ from ..problem import Problem
 from ._compile import program
 from ._options import FlowOptions
 from ._result import FlowResult
-from ._solve import solve
 
 
 def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths=None):
@@ -30,6 +29,8 @@ def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths
     axis = None if in_axes is None else "flows"
 
     def make_fn():
+        from ._solve import solve  # diffrax and the solvers: only to trace a program
+
         if depths is None:
             fn = lambda p, m: solve(p, m, options, batch_axis=axis)
         else:

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import math
 
-import diffrax
 import equinox as eqx
 
-from ._rosenbrock import Rodas4
-
-SOLVERS = {
-    "tsit5": diffrax.Tsit5,
-    "dopri5": diffrax.Dopri5,
-    "dopri8": diffrax.Dopri8,
-    "kvaerno5": diffrax.Kvaerno5,
-    "euler": diffrax.Euler,
-    "rodas4": Rodas4,
-}
+# Names only: diffrax is imported when a program is traced, not when options are made (a
+# program loaded from the cache needs no diffrax: `import gflow` stays light).
+SOLVERS = ("dopri5", "dopri8", "euler", "kvaerno5", "rodas4", "tsit5")
 FIXED_STEP = ("euler",)
 LEAN_SOLVERS = ("auto", "tsit5", "dopri5")  # FSAL tableaus that gflow's own loop runs
 CLOCKS = ("auto", "physical", "loss")
@@ -29,6 +21,23 @@ def _times(ts):
 
 def _positive_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def solver_class(name: str):
+    """The diffrax (or gflow) solver class of a solver name."""
+    import diffrax
+
+    from ._rosenbrock import Rodas4
+
+    classes = {
+        "tsit5": diffrax.Tsit5,
+        "dopri5": diffrax.Dopri5,
+        "dopri8": diffrax.Dopri8,
+        "kvaerno5": diffrax.Kvaerno5,
+        "euler": diffrax.Euler,
+        "rodas4": Rodas4,
+    }
+    return classes[name]
 
 
 class FlowOptions(eqx.Module):
@@ -61,7 +70,7 @@ class FlowOptions(eqx.Module):
       times (inf past the end of the solve).
     """
 
-    solver: str | diffrax.AbstractSolver = "auto"
+    solver: str | object = "auto"  # a name, or a diffrax.AbstractSolver
     rtol: float = 1e-10
     atol: float | None = None
     t_max: float = math.inf
@@ -81,8 +90,11 @@ class FlowOptions(eqx.Module):
         if isinstance(self.solver, str):
             if self.solver not in SOLVERS and self.solver != "auto":
                 raise ValueError(f"unknown solver {self.solver!r}; choose from {sorted(SOLVERS)}")
-        elif not isinstance(self.solver, diffrax.AbstractSolver):
-            raise ValueError(f"solver must be a name or a diffrax solver, got {self.solver!r}")
+        else:
+            import diffrax
+
+            if not isinstance(self.solver, diffrax.AbstractSolver):
+                raise ValueError(f"solver must be a name or a diffrax solver, got {self.solver!r}")
         if self.save_ts is not None:
             ts = self.save_ts
             if not ts or any(b < a for a, b in zip(ts, ts[1:], strict=False)) or ts[0] < 0:

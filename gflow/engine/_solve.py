@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from ..model import Factorization, tree_dot
 from ..problem import Problem
 from ._dynamics import MaskedRMS, loss_time_scale, masked_loss_and_gradient, physical_jacobian
-from ._options import SOLVERS, FlowOptions
+from ._options import FlowOptions, solver_class
 from ._phases import (
     FiniteErrorPID,
     PhaseRun,
@@ -164,7 +164,7 @@ def _solvers(options: FlowOptions, setup: Setup) -> dict:
     elif options.solver == "rodas4":
         explicit = stiff
     else:
-        explicit = SOLVERS[options.solver]()
+        explicit = solver_class(options.solver)()
     loss_clock = explicit
     if options.solver == "rodas4":
         loss_clock = Rodas4(linear_solver="dense", step_tolerance=(setup.rtol, setup.atol))
