@@ -60,3 +60,11 @@ def test_a_damaged_program_file_is_recompiled_not_fatal(two_processes, tmp_path)
     report = _run(copy)
     assert _endpoint(report) == _endpoint(first)
     assert program.stat().st_size > 1000  # rewritten whole
+
+
+def test_import_gflow_does_not_load_diffrax():
+    """A process whose programs come from the cache never traces, so never needs diffrax."""
+    code = "import sys, gflow; print(sorted(m for m in ('diffrax', 'lineax') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
