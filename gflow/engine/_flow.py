@@ -28,13 +28,16 @@ def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths
         in_axes = (*in_axes, 0)
     axis = None if in_axes is None else "flows"
 
+    observed = observed_bound(problem)
+
     def make_fn():
         from ._solve import solve  # diffrax and the solvers: only to trace a program
 
+        kw = dict(batch_axis=axis, observed=observed)
         if depths is None:
-            fn = lambda p, m: solve(p, m, options, batch_axis=axis)
+            fn = lambda p, m: solve(p, m, options, **kw)
         else:
-            fn = lambda p, m, d: solve(p, m, options, depth=d, batch_axis=axis)
+            fn = lambda p, m, d: solve(p, m, options, depth=d, **kw)
         if in_axes is None:
             return fn
         fn = jax.vmap(fn, in_axes=in_axes, axis_name=axis)
@@ -59,8 +62,23 @@ def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths
     samples = options.save or options.save_ts is not None
     out_like = None if samples or devices is not None else FlowResult.skeleton(model)
     return program(
-        "flow", options, args, make_fn, extra=(in_axes, depths is None, devices), out_like=out_like
+        "flow",
+        options,
+        args,
+        make_fn,
+        extra=(in_axes, depths is None, devices, observed),
+        out_like=out_like,
     )
+
+
+def observed_bound(problem: Problem, multiple: int = 64) -> int:
+    """The largest number of observed entries of a (batched) problem, rounded up to a multiple
+    of `multiple` (capped at the number of entries): masks of similar counts, as a random-mask
+    sweep draws them, then share one compiled program."""
+    mask = np.asarray(problem.mask)
+    counts = mask.reshape(-1, mask.shape[-2] * mask.shape[-1]).sum(axis=1)
+    bound = -(-int(counts.max()) // multiple) * multiple
+    return min(bound, mask.shape[-2] * mask.shape[-1])
 
 
 def flow(

@@ -13,6 +13,7 @@ FIXED_STEP = ("euler",)
 LEAN_SOLVERS = ("auto", "tsit5", "dopri5")  # FSAL tableaus that gflow's own loop runs
 CLOCKS = ("auto", "physical", "loss")
 LINEAR_SOLVERS = ("auto", "dense", "cg")
+PRECONDITIONERS = ("gauss-newton", "spectral", "none")
 
 
 def _times(ts):
@@ -63,6 +64,9 @@ class FlowOptions(eqx.Module):
     - `certificates`: carry the energy integral ∫‖∇loss‖² dt as an extra state.
     - `linear_solver`: how `rodas4` solves its linear systems: `auto` (dense Cholesky up to 200
       parameters, else matrix-free CG on Hessian-vector products), `dense` or `cg`.
+    - `preconditioner`: of that CG: `gauss-newton` (default: the Woodbury solve through the
+      |Ω| × |Ω| NTK Gram, docs/theory.md §5), `spectral` (a randomized rank-64 sketch of the
+      Hessian) or `none`.
     - `divergence_bound`: |θ_i| above this counts as diverged.
     - `dt`: the fixed step of `solver="euler"` (explicit Euler is gradient descent with
       learning rate dt: a reference for `descend`).
@@ -82,6 +86,7 @@ class FlowOptions(eqx.Module):
     save_layers: bool = False
     certificates: bool = False
     linear_solver: str = "auto"
+    preconditioner: str = "gauss-newton"
     divergence_bound: float = 1e100
     dt: float | None = None
     save_ts: tuple[float, ...] | None = eqx.field(default=None, converter=_times)
@@ -111,6 +116,10 @@ class FlowOptions(eqx.Module):
         if self.linear_solver not in LINEAR_SOLVERS:
             raise ValueError(
                 f"unknown linear_solver {self.linear_solver!r}; choose from {LINEAR_SOLVERS}"
+            )
+        if self.preconditioner not in PRECONDITIONERS:
+            raise ValueError(
+                f"unknown preconditioner {self.preconditioner!r}; choose from {PRECONDITIONERS}"
             )
         if self.clock not in CLOCKS:
             raise ValueError(f"unknown clock {self.clock!r}; choose from {CLOCKS}")

@@ -30,8 +30,10 @@ CONTINUE = -1  # a phase that reached its end without a final status: the next p
 
 
 class StepStats(eqx.Module):
-    """The work of one phase. `rhs_evals` is −1 once an implicit solver took a step (its
-    Jacobian work is not counted in evaluations); `solver_code` is diffrax's result (0: ok)."""
+    """The work of one phase: steps, vector-field evaluations (−1 for diffrax's implicit
+    solvers, whose Newton iterations are not reported), and the linear-solver work of a
+    Rosenbrock phase: CG iterations (Hessian-vector products) and factorisations (dense
+    Cholesky/LU, or preconditioner builds). `solver_code` is diffrax's result (0: ok)."""
 
     num_steps: jax.Array
     num_accepted_steps: jax.Array
@@ -39,6 +41,9 @@ class StepStats(eqx.Module):
     linear_iters: jax.Array
     rhs_evals: jax.Array
     solver_code: jax.Array
+    factorizations: jax.Array = eqx.field(
+        default_factory=lambda: jnp.asarray(0, jnp.int32), converter=jnp.asarray
+    )
 
 
 class PhaseRun(eqx.Module):
@@ -104,7 +109,12 @@ class FiniteErrorPID(diffrax.PIDController):
 
 
 def rhs_evals_per_step(solver) -> int:
-    """Vector-field evaluations per step of an explicit tableau (−1: not an explicit tableau)."""
+    """Vector-field evaluations per step of an explicit tableau or of RODAS4 (one per stage,
+    the first from its linearisation); −1 for other solvers (not counted)."""
+    from ._rosenbrock import Rodas4
+
+    if isinstance(solver, Rodas4):
+        return 6
     tableau = getattr(solver, "tableau", None)
     if tableau is None or not hasattr(tableau, "c"):
         return -1
@@ -292,8 +302,11 @@ def _diffrax_run(setup: Setup, sol, solver, end_status, samples: bool) -> PhaseR
         num_accepted_steps=sol.stats["num_accepted_steps"],
         num_rejected_steps=sol.stats["num_rejected_steps"],
         linear_iters=state["iters"] if isinstance(state, dict) else jnp.asarray(0, jnp.int32),
-        # explicit tableaus: known per step, +1 per step for the stopping rule, f(y0) and the
-        # test at y0; implicit: not counted
+        factorizations=state["factorizations"]
+        if isinstance(state, dict)
+        else jnp.asarray(0, jnp.int32),
+        # known per step (explicit tableaus, RODAS4), +1 per step for the stopping rule, f(y0)
+        # and the test at y0; diffrax's implicit solvers: not counted
         rhs_evals=num_steps * (per_step + 1) + 2
         if per_step > 0
         else jnp.where(num_steps > 0, -1, 0),

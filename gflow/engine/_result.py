@@ -87,6 +87,9 @@ def status_message(status: int, end_phase: int, code: int) -> str:
     return f"{label} {where}: {reasons[Status(int(status))]}"
 
 
+WORK_COLUMNS = ("steps", "rejected_steps", "rhs_evals", "linear_iters", "factorizations")
+
+
 class Trajectory(eqx.Module):
     """Samples of a flow, time-ordered. Rows past the end of the solve are `inf` (`valid` is
     False there); `compress()` drops them.
@@ -126,8 +129,13 @@ class FlowResult(eqx.Module):
     - `loss`, `loss_init`: the loss at the end and at the start.
     - `num_steps`, `num_accepted_steps`, `num_rejected_steps`, `num_rhs_evals`: solver work;
       RHS evaluations count every gradient evaluation, the stopping rule's included.
-    - `num_linear_iters`: conjugate-gradient iterations of the stiff (Rosenbrock) phase, 0 when
-      it ran with dense linear algebra or did not run.
+    - `num_linear_iters`: conjugate-gradient iterations (Hessian-vector products) of the
+      Rosenbrock phases, 0 when they ran with dense linear algebra or did not run;
+      `num_factorizations`: their dense factorisations or preconditioner builds.
+    - `phase_work`: the work of each phase, an int array of shape (3, 5): rows indexed by
+      `Phase` (loss clock, explicit, stiff tail), columns `WORK_COLUMNS` (steps, rejected
+      steps, vector-field evaluations, CG iterations, factorisations); `work()` gives it as a
+      dict.
     - `energy`: ∫‖∇loss‖² dt when certificates were requested (else nan). For the exact flow
       `loss_init − loss = energy`.
     - `end_phase`: the `Phase` that ended the solve; `solver_code`: what its integrator
@@ -153,6 +161,12 @@ class FlowResult(eqx.Module):
     energy: Float[Array, ""]
     end_phase: Int[Array, ""] = eqx.field(default_factory=lambda: jnp.asarray(1, jnp.int32))
     solver_code: Int[Array, ""] = eqx.field(default_factory=lambda: jnp.asarray(0, jnp.int32))
+    num_factorizations: Int[Array, ""] = eqx.field(
+        default_factory=lambda: jnp.asarray(0, jnp.int32)
+    )
+    phase_work: Int[Array, "3 5"] = eqx.field(
+        default_factory=lambda: jnp.zeros((len(Phase), len(WORK_COLUMNS)), jnp.int32)
+    )
     trajectory: Trajectory | None = None
     wall_time_s: float = eqx.field(static=True, default=float("nan"))
     compile_time_s: float = eqx.field(static=True, default=float("nan"))
@@ -163,7 +177,25 @@ class FlowResult(eqx.Module):
         """A result with `model`'s structure and no trajectory: the pytree structure of what a
         solve without samples returns (its leaves are placeholders)."""
         zero = np.zeros(())
-        return cls(model, *[zero] * 10, end_phase=zero, solver_code=zero)
+        return cls(
+            model,
+            *[zero] * 10,
+            end_phase=zero,
+            solver_code=zero,
+            num_factorizations=zero,
+            phase_work=np.zeros((len(Phase), len(WORK_COLUMNS))),
+        )
+
+    def work(self) -> dict:
+        """The work of each phase that ran: {phase label: {column: count}} (one member)."""
+        table = np.asarray(self.phase_work)
+        if table.ndim != 2:
+            raise ValueError("work() reads one result; use result.member(i) on a batch")
+        return {
+            Phase(i).label: dict(zip(WORK_COLUMNS, (int(v) for v in row), strict=True))
+            for i, row in enumerate(table)
+            if row[0] > 0
+        }
 
     def timed(
         self, wall_time_s: float, compile_time_s: float, compile_cache_hit: bool | None = None

@@ -73,21 +73,23 @@ def conjugate_gradient(matvec, b, *, rtol, max_iters, precondition=lambda r: r, 
         return (jnp.linalg.norm(r) > target) & (k < max_iters)
 
     def body(state):
+        # Precondition first: the last iteration spends no preconditioner application on a
+        # search direction it will not take.
         x, r, p, rz, k = state
-        ap = matvec(p)
-        curvature = p @ ap
-        step = rz / jnp.where(curvature > 0, curvature, 1.0)
-        x = x + step * p
-        r = r - step * ap
         z = precondition(r)
         rz_new = r @ z
-        p = z + (rz_new / rz) * p
+        p = z + jnp.where(k > 0, rz_new / jnp.where(rz != 0, rz, 1.0), 0.0) * p
+        ap = matvec(p)
+        curvature = p @ ap
+        step = rz_new / jnp.where(curvature > 0, curvature, 1.0)
+        x = x + step * p
+        r = r - step * ap
         # A direction of non-positive curvature: stop, and let the caller reject the step.
         k = jnp.where(curvature > 0, k + 1, max_iters + 1)
         return x, r, p, rz_new, k
 
-    z0 = precondition(b)
-    state = (jnp.zeros_like(b), b, z0, b @ z0, jnp.asarray(0))
+    zero = jnp.zeros_like(b)
+    state = (zero, b, zero, jnp.ones((), b.dtype), jnp.asarray(0))
     x, r, _, _, k = jax.lax.while_loop(cond, body, state)
     converged = (jnp.linalg.norm(r) <= target) | (b_norm == 0)
     return x, converged, k
@@ -131,7 +133,7 @@ def sketch_preconditioner(u, lam, shift):
     weights = scale / (lam + shift) - 1.0
 
     def apply(r):
-        return r + u @ (weights * (u.T @ r))
+        return r + u @ (weights * (r @ u))  # r @ u: XLA on CPU would copy u.T
 
     return apply
 
@@ -164,6 +166,15 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       rebuilt every `preconditioner_refresh` step attempts and carried in between (the
       Hessian of a flow's tail changes slowly; a stale preconditioner costs iterations, never
       accuracy).
+    - `preconditioner`: in place of the spectral one, a structured preconditioner with
+      `init(y, args)`, `build(y, args)` (its state at y) and `apply(state, shift, r)` (an
+      SPD approximation of (shift·I − J)⁻¹ on the active entries' tree), e.g. the
+      Gauss–Newton one of `_gram`. It is built at the first step and rebuilt once the CG
+      iterations beyond those of the first step after the last build add up to its
+      `refresh_budget` (a rebuild then costs about what its staleness has cost).
+    - `batch_axis`: under `jax.vmap(..., axis_name=batch_axis)`, the batch rebuilds the
+      preconditioner together (a real branch, not a per-member select that would build it
+      at every step).
     """
 
     term_structure: ClassVar = diffrax.AbstractTerm
@@ -181,6 +192,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     preconditioner_refresh: int = 25
     step_tolerance: tuple | None = None
     solve_fraction: float = 1e-3
+    preconditioner: object | None = None
+    batch_axis: str | None = None
 
     def order(self, terms):
         return 4
@@ -203,9 +216,16 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     def init(self, terms, t0, t1, y0, args):
         # CG iterations so far (0 when dense), and the carried preconditioner.
         flat, _ = ravel_pytree(self._split(y0)[0])
-        state = {"iters": jnp.asarray(0, jnp.int32)}
+        # The linear-solver work so far: CG iterations (Hessian-vector products; 0 when dense)
+        # and factorisations (dense Cholesky/LU, or preconditioner builds).
+        state = {"iters": jnp.asarray(0, jnp.int32), "factorizations": jnp.asarray(0, jnp.int32)}
         size = flat.shape[0]
-        if self._uses_cg(size) and self.preconditioner_rank > 0:
+        if self._uses_cg(size) and self.preconditioner is not None:
+            state["structured"] = self.preconditioner.init(y0, args)
+            state["rebuild"] = jnp.asarray(True)
+            state["excess"] = jnp.asarray(0, jnp.int32)
+            state["baseline"] = jnp.asarray(0, jnp.int32)
+        elif self._uses_cg(size) and self.preconditioner_rank > 0:
             rank = min(self.preconditioner_rank, size)
             state["u"] = jnp.zeros((size, rank), flat.dtype)
             state["omega"] = jax.random.normal(jax.random.key(0), (size, rank), flat.dtype)
@@ -236,6 +256,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         (f0, g0), jvp_both = jax.linearize(f, flat0)
         jvp = lambda v: jvp_both(v)[0]
         new_state = dict(solver_state)
+        built = jnp.asarray(1, jnp.int32)
         if not self._uses_cg(size):
             if self.jacobian is None:
                 jac = jax.vmap(jvp, out_axes=1)(jnp.eye(size, dtype=flat0.dtype))
@@ -253,12 +274,28 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                 x = dense_solve(factor, rhs)
                 return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0)
         else:
-            # (I/(hγ) − J) K = rhs with −J = ∇²loss: CG with a spectral preconditioner.
+            # (I/(hγ) − J) K = rhs with −J = ∇²loss: preconditioned CG.
             hvp = lambda v: -jvp(v)
             matvec = lambda v: shift * v + hvp(v)
             precondition = lambda r: r
-            if "u" in solver_state:
+            built = jnp.asarray(0, jnp.int32)
+            if "structured" in solver_state:
+                rebuild = solver_state["rebuild"]
+                if self.batch_axis is not None:
+                    rebuild = jax.lax.psum(rebuild.astype(jnp.int32), self.batch_axis) > 0
+                structured = jax.lax.cond(
+                    rebuild,
+                    lambda: self.preconditioner.build(y0, args),
+                    lambda: solver_state["structured"],
+                )
+                new_state["structured"] = structured
+                precondition = lambda r: ravel_pytree(
+                    self.preconditioner.apply(structured, shift, unravel(r))
+                )[0]
+                built = rebuild.astype(jnp.int32)
+            elif "u" in solver_state:
                 rebuild = solver_state["age"] >= self.preconditioner_refresh
+                built = rebuild.astype(jnp.int32)
                 u, lam = jax.lax.cond(
                     rebuild,
                     lambda: spectral_sketch(hvp, solver_state["omega"]),
@@ -309,4 +346,14 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         dense_info = dict(y0=y0, y1=y1)
         result = diffrax.RESULTS.successful
         new_state["iters"] = solver_state["iters"] + iters.astype(jnp.int32)
+        new_state["factorizations"] = solver_state["factorizations"] + built
+        if "rebuild" in solver_state:
+            # Staleness is what a rebuild cures: count iterations beyond those of the first
+            # step after the last build (the residual term's share, which no rebuild removes).
+            baseline = jnp.where(built > 0, iters, solver_state["baseline"]).astype(jnp.int32)
+            excess = jnp.where(built > 0, 0, solver_state["excess"])
+            excess = excess + jnp.maximum(iters - baseline, 0).astype(jnp.int32)
+            new_state["excess"] = excess
+            new_state["baseline"] = baseline
+            new_state["rebuild"] = excess > self.preconditioner.refresh_budget
         return y1, y_error, dense_info, new_state, result

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from ..model import Factorization, tree_dot
 from ..problem import Problem
 from ._dynamics import MaskedRMS, loss_time_scale, masked_loss_and_gradient, physical_jacobian
+from ._gram import GaussNewtonPreconditioner
 from ._options import FlowOptions, solver_class
 from ._phases import (
     FiniteErrorPID,
@@ -36,7 +37,12 @@ from ._stopping import default_atol
 
 
 def solve(
-    problem: Problem, model: Factorization, options: FlowOptions, depth=None, batch_axis=None
+    problem: Problem,
+    model: Factorization,
+    options: FlowOptions,
+    depth=None,
+    batch_axis=None,
+    observed: int | None = None,
 ) -> FlowResult:
     """The flow engine: pure, jittable, vmappable. Use `flow` for validation and timing.
 
@@ -46,11 +52,15 @@ def solve(
 
     `batch_axis`: under `jax.vmap(..., axis_name=batch_axis)`, the name of that axis: a batch
     in which no member reaches the stiff phase then skips it (otherwise every member pays for
-    its set-up)."""
+    its set-up).
+
+    `observed`: a static upper bound on the number of observed entries (of every member of a
+    batch), which the Gauss–Newton preconditioner of the stiff tail needs; without it (or
+    with `preconditioner="spectral"`) the tail's CG uses a spectral sketch."""
     dtype = model.layers[0].dtype
     layer_mask = None if depth is None else (jnp.arange(model.depth) < depth).astype(dtype)
     setup = _setup(problem, model, options, layer_mask)
-    solvers = _solvers(options, setup)
+    solvers = _solvers(options, setup, batch_axis, observed)
     loss0, g0 = masked_loss_and_gradient(model, problem, layer_mask)
     use_loss_clock, tau_switch = _loss_clock_span(problem, model, options, depth, loss0, g0)
 
@@ -147,10 +157,16 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
     )
 
 
-def _solvers(options: FlowOptions, setup: Setup) -> dict:
+def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
     """The solver of each phase. In physical time the Jacobian is −∇²loss (symmetric) and the
     energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖²."""
+    structured = None
+    if options.preconditioner == "gauss-newton" and observed is not None:
+        structured = GaussNewtonPreconditioner(observed)
     stiff = Rodas4(
+        preconditioner=structured,
+        preconditioner_rank=0 if options.preconditioner == "none" else 64,
+        batch_axis=batch_axis,
         linear_solver=options.linear_solver,
         step_tolerance=(setup.rtol, setup.atol),
         symmetric=True,
@@ -239,13 +255,17 @@ def _trajectory(runs, use_loss_clock, finished, handover, n1) -> Trajectory:
 
 def _result(problem, options, loss0, runs, end: _Ending, handover, trajectory, solvers):
     stats = [run.stats for run in runs]
-    implicit_ran = jnp.any(jnp.stack([s.rhs_evals < 0 for s in stats]))
-    if handover is not None:
-        linear_iters = jnp.where(handover, stats[2].linear_iters, 0)
-    elif isinstance(solvers["explicit"], Rodas4):
-        linear_iters = stats[1].linear_iters
-    else:
-        linear_iters = jnp.asarray(0, jnp.int32)
+    if handover is not None:  # a stiff tail that did not run for this member did no work
+        stats[2] = jax.tree_util.tree_map(lambda x: jnp.where(handover, x, 0), stats[2])
+    rows = [
+        jnp.stack(
+            [s.num_steps, s.num_rejected_steps, s.rhs_evals, s.linear_iters, s.factorizations]
+        ).astype(jnp.int32)
+        for s in stats
+    ]
+    rows += [jnp.zeros_like(rows[0])] * (len(Phase) - len(rows))
+    phase_work = jnp.stack(rows)
+    rhs = phase_work[:, 2]
     dtype = end.t.dtype
     return FlowResult(
         model=end.y["model"],
@@ -256,8 +276,10 @@ def _result(problem, options, loss0, runs, end: _Ending, handover, trajectory, s
         num_steps=sum(s.num_steps for s in stats),
         num_accepted_steps=sum(s.num_accepted_steps for s in stats),
         num_rejected_steps=sum(s.num_rejected_steps for s in stats),
-        num_rhs_evals=jnp.where(implicit_ran, -1, sum(s.rhs_evals for s in stats)),
-        num_linear_iters=linear_iters,
+        num_rhs_evals=jnp.where(jnp.any(rhs < 0), -1, jnp.sum(rhs)),
+        num_linear_iters=jnp.sum(phase_work[:, 3]),
+        num_factorizations=jnp.sum(phase_work[:, 4]),
+        phase_work=phase_work,
         energy=end.y["energy"] if options.certificates else jnp.asarray(jnp.nan, dtype),
         end_phase=end.phase.astype(jnp.int32),
         solver_code=end.code.astype(jnp.int32),
