@@ -1,0 +1,138 @@
+"""The Gauss–Newton (NTK Gram) preconditioner of the stiff tail against dense linear algebra."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import gflow
+from gflow.engine import _gram
+
+
+@pytest.fixture(scope="module")
+def case():
+    """A 5×6 random mask, a depth-3 model padded to 4 layers (the last one frozen)."""
+    problem = gflow.bernoulli(5, 6, 0.5, 2, key=0)
+    model = gflow.pad_depth(gflow.gaussian([6, 4, 3, 5], 0.7, key=1), 4)
+    layer_mask = jnp.asarray([1.0, 1.0, 1.0, 0.0])
+    size = problem.num_observed + 3  # three padding entries
+    return problem, model, layer_mask, size
+
+
+def _dense_jacobian(model, problem, layer_mask):
+    """J: observed entries of X by the flattened layers, frozen layers' columns zeroed."""
+    rows, cols = np.nonzero(np.asarray(problem.mask))
+    flat, unravel = ravel_pytree(model)
+    observe = lambda v: unravel(v).product()[rows, cols]
+    jac = np.asarray(jax.jacfwd(observe)(flat))
+    weights = np.concatenate(
+        [np.full(w.size, float(layer_mask[i])) for i, w in enumerate(model.layers)]
+    )
+    return jac * weights[None, :]
+
+
+def test_observed_entries_pads_with_zero_weight(case):
+    problem, _, _, size = case
+    rows, cols, weight = _gram.observed_entries(problem.mask, size)
+    n = problem.num_observed
+    assert rows.shape == (size,)
+    np.testing.assert_array_equal(np.asarray(weight), [1.0] * n + [0.0] * (size - n))
+    np.testing.assert_array_equal(np.asarray(problem.mask)[rows[:n], cols[:n]], 1.0)
+    pairs = zip(np.asarray(rows[:n]).tolist(), np.asarray(cols[:n]).tolist(), strict=True)
+    assert len(set(pairs)) == n
+
+
+def test_closed_form_gram_is_j_jt(case):
+    problem, model, layer_mask, size = case
+    rows, cols, weight = _gram.observed_entries(problem.mask, size)
+    gram = np.asarray(_gram.gram(model.layers, rows, cols, weight, layer_mask))
+    jac = _dense_jacobian(model, problem, layer_mask)
+    n = problem.num_observed
+    np.testing.assert_allclose(gram[:n, :n], jac @ jac.T, rtol=1e-12, atol=1e-12)
+    assert np.all(gram[n:] == 0) and np.all(gram[:, n:] == 0)
+
+
+@pytest.mark.parametrize("shift", [1e-4, 1.0, 1e3])
+def test_preconditioner_is_the_woodbury_inverse(case, shift):
+    """apply(r) = (s·I + JᵀJ)⁻¹ r, J with frozen columns zeroed, at every shift."""
+    problem, model, layer_mask, size = case
+    state = _gram.build(model, problem.mask, layer_mask, size)
+    jac = _dense_jacobian(model, problem, layer_mask)
+    dense = shift * np.eye(jac.shape[1]) + jac.T @ jac
+    flat, unravel = ravel_pytree(model)
+    r = np.random.default_rng(0).normal(size=flat.shape)
+    got = ravel_pytree(_gram.apply(state, shift, unravel(jnp.asarray(r))))[0]
+    np.testing.assert_allclose(np.asarray(got), np.linalg.solve(dense, r), rtol=1e-9, atol=1e-12)
+
+
+def test_a_stale_preconditioner_is_still_symmetric_positive_definite(case):
+    """Built at one point, applied with any shift: the map CG sees stays SPD."""
+    problem, model, layer_mask, size = case
+    stale = gflow.gaussian([6, 4, 3, 5], 0.3, key=7)
+    state = _gram.build(gflow.pad_depth(stale, 4), problem.mask, layer_mask, size)
+    flat, unravel = ravel_pytree(model)
+    apply = jax.jit(lambda s, v: ravel_pytree(_gram.apply(state, s, unravel(v)))[0])
+    for shift in (1e-6, 1e-2, 10.0):
+        matrix = np.asarray(jax.vmap(lambda v, s=shift: apply(s, v))(jnp.eye(flat.size))).T
+        np.testing.assert_allclose(matrix, matrix.T, atol=1e-10 * np.abs(matrix).max())
+        assert np.linalg.eigvalsh(0.5 * (matrix + matrix.T)).min() > 0
+
+
+@pytest.fixture(scope="module")
+def cg_case():
+    """An 8×8 random mask at depth 4 (256 parameters: the matrix-free CG path) with a stiff
+    tail, and its flow with the Gauss–Newton preconditioner (the default)."""
+    problem = gflow.bernoulli(8, 8, 0.5, 2, key=2)
+    init = gflow.gaussian([8] * 5, 0.2, key=3)
+    return problem, init, gflow.flow(problem, init)
+
+
+def test_gauss_newton_tail_lands_on_the_dense_endpoint(cg_case):
+    problem, init, flow = cg_case
+    work = flow.work()
+    assert flow.status_label == "converged" and "stiff tail" in work
+    assert work["stiff tail"]["linear_iters"] > 0
+    assert work["stiff tail"]["factorizations"] >= 1
+    dense = gflow.flow(problem, init, linear_solver="dense")
+    assert dense.work()["stiff tail"]["linear_iters"] == 0
+    np.testing.assert_allclose(
+        np.asarray(flow.model.product()), np.asarray(dense.model.product()), atol=1e-9
+    )
+    spectral = gflow.flow(problem, init, preconditioner="spectral")
+    np.testing.assert_allclose(
+        np.asarray(flow.model.product()), np.asarray(spectral.model.product()), atol=1e-9
+    )
+    # Never more Hessian-vector products than the spectral sketch (at d = 50 it takes 12× fewer:
+    # benchmarks/README, `scale`); here both need about three per stage.
+    assert work["stiff tail"]["linear_iters"] <= spectral.work()["stiff tail"]["linear_iters"]
+
+
+def test_work_table_adds_up(cg_case):
+    _, _, flow = cg_case
+    table = np.asarray(flow.phase_work)
+    assert table.shape == (3, 5)
+    assert table[:, 0].sum() == int(flow.num_steps)
+    assert table[:, 1].sum() == int(flow.num_rejected_steps)
+    assert table[:, 2].sum() == int(flow.num_rhs_evals) > 0
+    assert table[:, 3].sum() == int(flow.num_linear_iters)
+    assert table[:, 4].sum() == int(flow.num_factorizations)
+    # RODAS4 evaluates the field once per stage (6), plus once per step for the stopping rule.
+    tail = flow.work()["stiff tail"]
+    assert tail["rhs_evals"] == 7 * tail["steps"] + 2
+
+
+def test_batched_gauss_newton_tail_equals_single_flows(cg_case):
+    """The batch rebuilds its preconditioners together; each member is still its own flow."""
+    problem, init, flow = cg_case
+    easy = gflow.gaussian([8] * 5, 0.6, key=4)
+    other = gflow.bernoulli(8, 8, 0.3, 2, key=5)  # another mask, another count
+    problems = gflow.stack([problem, other])
+    batch = gflow.flow_batch(problems, gflow.stack([init, easy]))
+    single_other = gflow.flow(other, easy)
+    members = (batch.member(0), batch.member(1))
+    for member, single in zip(members, (flow, single_other), strict=True):
+        assert member.status_label == single.status_label == "converged"
+        np.testing.assert_allclose(
+            np.asarray(member.model.product()), np.asarray(single.model.product()), atol=1e-9
+        )
