@@ -172,6 +172,42 @@ def test_batch_with_one_stiff_member_equals_single_flows(stiff_case):
         )
 
 
+def test_a_deferred_stiff_tail_finished_alone_is_the_same_flow(stiff_case):
+    """A sweep's batch stops its stiff members where the tail begins (status pending) and
+    finishes each alone, unpadded: the same flow as `flow`, and the batch's easy member is
+    untouched. Padded to depth 4 and with certificates, so that both ride through."""
+    from gflow.engine._flow import _compiled_solver, finish_tails
+
+    problem, init, auto = stiff_case
+    easy = gflow.gaussian([8] * 4, 0.5, key=3)
+    models = gflow.stack([gflow.pad_depth(init, 4), gflow.pad_depth(easy, 4)])
+    depths = np.array([3, 3], np.int32)
+    options = gflow.FlowOptions(certificates=True)
+    compiled, _ = _compiled_solver(
+        problem, models, options, in_axes=(None, 0), depths=depths, defer_tail=True
+    )
+    head = compiled(problem, models, depths)
+    assert gflow.status_labels(np.asarray(head.status)).tolist() == ["pending", "converged"]
+    assert int(head.phase_work[0, 2, 0]) == 0  # the tail did not run in the batch
+    before = gflow.compile_count("flow-tail")
+    full = finish_tails(problem, models, head, options, depths)
+    assert gflow.compile_count("flow-tail") - before <= 1
+    stiff, easy_run = full.member(0), full.member(1)
+    assert stiff.status_label == "converged" and stiff.end_phase == gflow.Phase.STIFF_TAIL
+    assert stiff.work()["explicit"] == head.member(0).work()["explicit"]
+    assert int(stiff.num_steps) == sum(p["steps"] for p in stiff.work().values())
+    assert abs(int(stiff.num_steps) - int(auto.num_steps)) <= 0.01 * int(auto.num_steps)
+    assert stiff.model.depth == 4  # padded back, the padding still the identity
+    np.testing.assert_array_equal(np.asarray(stiff.model.layers[3]), np.eye(8))
+    np.testing.assert_allclose(
+        np.asarray(stiff.model.product()), np.asarray(auto.model.product()), atol=1e-9
+    )
+    assert gflow.energy_residual(stiff) <= 1e-9
+    np.testing.assert_array_equal(
+        np.asarray(easy_run.model.product()), np.asarray(head.member(1).model.product())
+    )
+
+
 # Random-mask flows against diffrax's Kvaerno5 (dense Jacobian) at rtol 1e-11: an independent
 # stiff integrator, about a minute per case, hence slow. (d, L, α, p) span issue 4's ranges.
 # "auto" takes the dense path for the first two (P ≤ 200) and CG for the last two (P = 300, 256).

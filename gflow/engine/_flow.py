@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,14 +15,17 @@ from ..model import Factorization
 from ..problem import Problem
 from ._compile import program
 from ._options import FlowOptions
-from ._result import FlowResult
+from ._result import FlowResult, Status
 
 
-def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths=None):
+def _compiled_solver(
+    problem, model, options, in_axes=None, devices=None, depths=None, defer_tail=False
+):
     """One compiled program per (options, batching, shapes, devices), cached: a sweep compiles
     once per shape group, and a later call with other shapes cannot silently recompile (the
     cached executable only accepts its own shapes). With `depths` (an int array, batched like
-    the model) the program takes it as a third argument: depth-padded models (`pad_depth`)."""
+    the model) the program takes it as a third argument: depth-padded models (`pad_depth`).
+    `defer_tail`: members that reach the stiff tail stop there (`solve`, `finish_tail`)."""
     devices = tuple(devices) if devices is not None and len(devices) > 1 else None
     args = (problem, model) if depths is None else (problem, model, depths)
     if depths is not None and in_axes is not None:
@@ -33,7 +37,7 @@ def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths
     def make_fn():
         from ._solve import solve  # diffrax and the solvers: only to trace a program
 
-        kw = dict(batch_axis=axis, observed=observed)
+        kw = dict(batch_axis=axis, observed=observed, defer_tail=defer_tail)
         if depths is None:
             fn = lambda p, m: solve(p, m, options, **kw)
         else:
@@ -66,9 +70,52 @@ def _compiled_solver(problem, model, options, in_axes=None, devices=None, depths
         options,
         args,
         make_fn,
-        extra=(in_axes, depths is None, devices, observed),
+        extra=(in_axes, depths is None, devices, observed, defer_tail),
         out_like=out_like,
     )
+
+
+def finish_tails(problem, model, head: FlowResult, options: FlowOptions, depths=None):
+    """The whole flows of a batch solved with `defer_tail=True` (`head`, from the initial
+    `model`): each member whose stiff tail is pending runs it alone and unpadded (a program
+    per depth), so that a batch costs the sum of its members' tails rather than its stiffest
+    member's tail times the batch size. Returns the batched result, models padded back to the
+    batch's depth."""
+    head = jax.tree_util.tree_map(np.asarray, head)
+    pending = np.flatnonzero(head.status == Status.PENDING)
+    if pending.size == 0:
+        return head
+    members = [head.member(i) for i in range(head.status.shape[0])]
+    for i in pending:
+        problem_i = problem
+        if problem.target.ndim == 3:
+            problem_i = jax.tree_util.tree_map(lambda x, i=i: np.asarray(x[i]), problem)
+        depth = model.depth if depths is None else int(depths[i])
+        init = Factorization([np.asarray(w[i]) for w in model.layers[:depth]])
+        # the head as the tail program takes it: unpadded, with a result's own structure
+        unpadded = Factorization(members[i].model.layers[:depth])
+        leaves = jax.tree_util.tree_leaves(eqx.tree_at(lambda r: r.model, members[i], unpadded))
+        start = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(FlowResult.skeleton(init)), leaves
+        )
+        observed = observed_bound(problem_i)
+        compiled, _ = program(
+            "flow-tail",
+            options,
+            (problem_i, init, start),
+            lambda observed=observed: _tail_fn(options, observed),
+            extra=(observed,),
+            out_like=FlowResult.skeleton(init),
+        )
+        full = jax.tree_util.tree_map(np.asarray, compiled(problem_i, init, start))
+        members[i] = eqx.tree_at(lambda r: r.model, full, pad_depth(full.model, model.depth))
+    return stack(members)
+
+
+def _tail_fn(options, observed):
+    from ._solve import finish_tail
+
+    return lambda p, m, h: finish_tail(p, m, h, options, observed=observed)
 
 
 def observed_bound(problem: Problem, multiple: int = 64) -> int:

@@ -27,8 +27,8 @@ class Status(enum.IntEnum):
     FAILED = 4
     """The solver failed for another reason (e.g. a nonlinear solve in an implicit step)."""
     PENDING = -1
-    """Not computed yet: a sweep point whose chunk has not been written (a flow never returns
-    this)."""
+    """Not computed yet: a sweep point whose chunk has not been written, or a flow solved with
+    `defer_tail=True` whose stiff tail is still to run (`flow` never returns this)."""
 
     @property
     def label(self) -> str:

@@ -43,6 +43,7 @@ def solve(
     depth=None,
     batch_axis=None,
     observed: int | None = None,
+    defer_tail: bool = False,
 ) -> FlowResult:
     """The flow engine: pure, jittable, vmappable. Use `flow` for validation and timing.
 
@@ -56,7 +57,11 @@ def solve(
 
     `observed`: a static upper bound on the number of observed entries (of every member of a
     batch), which the Gauss–Newton preconditioner of the stiff tail needs; without it (or
-    with `preconditioner="spectral"`) the tail's CG uses a spectral sketch."""
+    with `preconditioner="spectral"`) the tail's CG uses a spectral sketch.
+
+    `defer_tail`: stop where the stiff tail would begin, with status `PENDING`, so that a
+    batch is not held up by its stiffest member; `finish_tail` then runs the tail of such a
+    member alone, from the same state, as this solve would have."""
     dtype = model.layers[0].dtype
     layer_mask = None if depth is None else (jnp.arange(model.depth) < depth).astype(dtype)
     setup = _setup(problem, model, options, layer_mask)
@@ -98,17 +103,50 @@ def solve(
         code=jnp.where(finished, first.stats.solver_code, explicit.stats.solver_code),
     )
     runs = [first, explicit]
+    handover = None
     if options.stiff_tail:
         handover = (~finished) & (explicit.status == Status.MAX_STEPS)
+    if handover is not None and defer_tail:
+        end.status = jnp.where(handover, Status.PENDING, end.status)
+        handover = None
+    elif handover is not None:
         tail = _stiff_tail(setup, solvers["stiff"], end, handover, batch_axis, options.max_steps)
         end = end.then(handover, tail, Phase.STIFF_TAIL)
         runs.append(tail)
-    else:
-        handover = None
     trajectory = None
     if options.save or options.save_ts is not None:
         trajectory = _trajectory(runs, use_loss_clock, finished, handover, n1)
     return _result(problem, options, loss0, runs, end, handover, trajectory, solvers)
+
+
+def finish_tail(
+    problem: Problem,
+    model: Factorization,
+    head: FlowResult,
+    options: FlowOptions,
+    depth=None,
+    observed: int | None = None,
+) -> FlowResult:
+    """The stiff tail of a solve run with `defer_tail=True` (`head`, from the initial `model`),
+    as that solve would have run it: the whole flow's result. A head whose status is not
+    `PENDING` is returned as it is (the branch costs it nothing)."""
+    dtype = model.layers[0].dtype
+    layer_mask = None if depth is None else (jnp.arange(model.depth) < depth).astype(dtype)
+    setup = _setup(problem, model, options, layer_mask)
+    solver = _solvers(options, setup, None, observed)["stiff"]
+    y = {"model": head.model}
+    if options.certificates:
+        y["energy"] = head.energy
+    end = _Ending(y, head.t_end, head.status, head.end_phase, head.solver_code)
+    handover = head.status == Status.PENDING
+    tail = _stiff_tail(setup, solver, end, handover, None, options.max_steps)
+    end = end.then(handover, tail, Phase.STIFF_TAIL)
+    row = jnp.where(handover, _work_row(tail.stats), 0)
+    phase_work = head.phase_work.at[Phase.STIFF_TAIL].add(row)
+    accepted = jnp.where(handover, tail.stats.num_accepted_steps, 0)
+    return _assemble(
+        problem, options, head.loss_init, phase_work, head.num_accepted_steps + accepted, end, None
+    )
 
 
 class _Ending:
@@ -253,18 +291,23 @@ def _trajectory(runs, use_loss_clock, finished, handover, n1) -> Trajectory:
     return Trajectory(cat["t"], cat["loss"], cat["sv"], cat.get("layers"))
 
 
+def _work_row(s) -> jax.Array:
+    """One phase's row of `FlowResult.phase_work` (columns `WORK_COLUMNS`)."""
+    row = [s.num_steps, s.num_rejected_steps, s.rhs_evals, s.linear_iters, s.factorizations]
+    return jnp.stack(row).astype(jnp.int32)
+
+
 def _result(problem, options, loss0, runs, end: _Ending, handover, trajectory, solvers):
     stats = [run.stats for run in runs]
     if handover is not None:  # a stiff tail that did not run for this member did no work
         stats[2] = jax.tree_util.tree_map(lambda x: jnp.where(handover, x, 0), stats[2])
-    rows = [
-        jnp.stack(
-            [s.num_steps, s.num_rejected_steps, s.rhs_evals, s.linear_iters, s.factorizations]
-        ).astype(jnp.int32)
-        for s in stats
-    ]
+    rows = [_work_row(s) for s in stats]
     rows += [jnp.zeros_like(rows[0])] * (len(Phase) - len(rows))
-    phase_work = jnp.stack(rows)
+    accepted = sum(s.num_accepted_steps for s in stats)
+    return _assemble(problem, options, loss0, jnp.stack(rows), accepted, end, trajectory)
+
+
+def _assemble(problem, options, loss0, phase_work, accepted, end: _Ending, trajectory):
     rhs = phase_work[:, 2]
     dtype = end.t.dtype
     return FlowResult(
@@ -273,9 +316,9 @@ def _result(problem, options, loss0, runs, end: _Ending, handover, trajectory, s
         t_end=end.t,
         loss=problem.loss(end.y["model"].product()),
         loss_init=loss0,
-        num_steps=sum(s.num_steps for s in stats),
-        num_accepted_steps=sum(s.num_accepted_steps for s in stats),
-        num_rejected_steps=sum(s.num_rejected_steps for s in stats),
+        num_steps=jnp.sum(phase_work[:, 0]),
+        num_accepted_steps=jnp.asarray(accepted, jnp.int32),
+        num_rejected_steps=jnp.sum(phase_work[:, 1]),
         num_rhs_evals=jnp.where(jnp.any(rhs < 0), -1, jnp.sum(rhs)),
         num_linear_iters=jnp.sum(phase_work[:, 3]),
         num_factorizations=jnp.sum(phase_work[:, 4]),

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from ..analysis import effective_rank_of, family_spectrum, stable_rank_of
-from ..engine._flow import _compiled_solver
+from ..engine._flow import _compiled_solver, finish_tails
 from ._build import build_chunk
 from ._spec import SweepSpec, execution_order
 from ._store import _chunk_regions, _open_or_create, _template, to_grid
@@ -28,9 +28,18 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np
     if pad_to is not None:
         depths = np.array([int(p["depth"]) for p in padded], dtype=np.int32)
     compiled, _ = _compiled_solver(
-        problems, models, spec.options, in_axes=(0, 0), devices=devices, depths=depths
+        problems,
+        models,
+        spec.options,
+        in_axes=(0, 0),
+        devices=devices,
+        depths=depths,
+        defer_tail=spec.tails == "apart",
     )
     result = compiled(problems, models) if depths is None else compiled(problems, models, depths)
+    if spec.tails == "apart":
+        # Members that reach the stiff tail finish it one by one: the batch waits for none.
+        result = finish_tails(problems, models, result, spec.options, depths)
     jax.block_until_ready(result)
     n = len(chosen)
     out = {

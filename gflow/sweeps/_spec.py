@@ -48,6 +48,9 @@ INITS = ("identity", "gaussian", "orthogonal")
 DEPTH_MODES = ("auto", "compile", "pad")
 
 
+TAIL_MODES = ("apart", "batch")
+
+
 # Padding costs more per step and saves one compilation per extra depth: it pays up to grids
 # of a few thousand flows (see `depth_mode`; measured in benchmarks/README).
 PAD_MAX_FLOWS = 4096
@@ -93,6 +96,10 @@ class SweepSpec:
       fewer compilations, more work per step) or `auto` (default): `pad` for grids of up to
       `PAD_MAX_FLOWS` flows, where compilation dominates, `compile` for larger ones
       (benchmarks/README: `sweep_throughput`).
+    - `tails`: where members that reach the stiff tail (`solver="auto"`) finish it: `apart`
+      (default), each alone after its batch, so a batch costs the sum of its members' tails
+      rather than its stiffest member's tail times the batch size; or `batch`, inside the
+      vmapped batch (one program, every member stepping until the slowest is done).
     """
 
     axes: dict
@@ -103,6 +110,7 @@ class SweepSpec:
     chunk_size: int = 64
     top: int = 4
     depth_mode: str = "auto"
+    tails: str = "apart"
 
     def __post_init__(self):
         if not self.axes:
@@ -125,6 +133,8 @@ class SweepSpec:
             raise ValueError(f"unknown init {self.init!r}; choose from {INITS}")
         if self.depth_mode not in DEPTH_MODES:
             raise ValueError(f"unknown depth_mode {self.depth_mode!r}; choose from {DEPTH_MODES}")
+        if self.tails not in TAIL_MODES:
+            raise ValueError(f"unknown tails {self.tails!r}; choose from {TAIL_MODES}")
         if not (isinstance(self.chunk_size, int) and self.chunk_size >= 1):
             raise ValueError("chunk_size must be a positive integer")
         # Every value is checked here, before a store is created or any work done (models
