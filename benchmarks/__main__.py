@@ -91,6 +91,22 @@ def _plot(name, result, path):
         ax.set_ylabel("seconds per process")
         ax.set_title(result["command"], fontsize=9)
         ax.legend(fontsize=8)
+    elif name == "scale":
+        rows = result["rows"]
+        ds = [r["d"] for r in rows]
+        ax.loglog(ds, [r["solve_s"] for r in rows], "o-", label="gflow exact flow (solve)")
+        for k, eps in enumerate((1e-4, 1e-6)):
+            ts = [next(t for t in r["targets"] if t["target"] == eps) for r in rows]
+            keys = ("sgd_s", "sgd_s_extrapolated", "sgd_s_at_least")
+            ys = [next(t[k] for k in keys if k in t) for t in ts]
+            ax.loglog(ds, ys, "s--" if k else "^--", label=f"SGD to within {eps:.0e}")
+            for x, y, t in zip(ds, ys, ts, strict=True):
+                if "sgd_s" not in t:
+                    note = "≈ (extrapolated)" if "sgd_s_extrapolated" in t else "≥ (not reached)"
+                    ax.annotate(note, (x, y), fontsize=7, va="bottom")
+        ax.set_xlabel("matrix size d (Bernoulli 0.3 mask, rank 5, L = 3)")
+        ax.set_ylabel("seconds")
+        ax.set_title("Field-size problems: exact flow vs SGD at matched accuracy", fontsize=9)
     elif name == "stiff_tail":
         width = 0.8 / len(result)
         names = list(dict.fromkeys(n for case in result.values() for n in case["rows"]))
@@ -182,6 +198,10 @@ def _summary(name, r):
             f"{r['first_over_no_cache']:.2f}× the uncached one; import {r['import_s']:.2f} s; "
             f"identical results: {r['identical_results']}"
         )
+    if name == "scale":
+        from benchmarks.scale import summary
+
+        return summary(r)
     if name == "rhs_efficiency":
         return "; ".join(
             f"d={x['d']} L={x['L']}: {x['fraction_of_matmul_rate']:.0%}" for x in r["rows"]

@@ -16,6 +16,8 @@ import numpy as np
 import gflow
 from gflow.sweeps._build import build
 
+from .scale import scale
+
 
 def _best_of(fn, *args, repeats=3, **kwargs):
     """Best wall time of `repeats` calls of fn(*args, **kwargs) (compiled beforehand)."""
@@ -606,4 +608,5 @@ BENCHMARKS = {
     "rhs_efficiency": rhs_efficiency,
     "stiff_tail": stiff_tail,
     "startup": startup,
+    "scale": scale,
 }

@@ -1,0 +1,232 @@
+"""Field-size problems: exact flows on random masks at d = 20…200, against optax SGD at
+matched accuracy, and a random-mask sweep with its stiff tails apart and batched.
+
+Each size runs in a fresh process (`python -m benchmarks.scale D`), so that its peak memory
+(resident set) is its own. The problem is Arora et al.'s kind: a d × d rank-5 target seen on
+a Bernoulli(0.3) mask, L = 3, Gaussian init of scale 0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gflow
+
+TOP = 5  # the target's rank: the singular values compared
+
+
+def problem_and_init(d: int):
+    problem = gflow.bernoulli(d, d, 0.3, TOP, key=jax.random.key(0))
+    init = gflow.gaussian((d,) * 4, 0.1, key=jax.random.key(1))
+    return problem, init
+
+
+def _errors(model, reference, problem) -> dict:
+    """Relative errors against the flow's endpoint: the top singular values (largest of
+    them) and the unobserved error."""
+    s = gflow.singular_values(model)[:TOP]
+    s_ref = gflow.singular_values(reference)[:TOP]
+    u = gflow.unobserved_error(model, problem)["rel"]
+    u_ref = gflow.unobserved_error(reference, problem)["rel"]
+    return {
+        "singular_values": float(np.max(np.abs(s - s_ref) / s_ref)),
+        "unobserved": abs(u - u_ref) / u_ref,
+    }
+
+
+def _largest_hessian_eigenvalue(model, problem, iterations=60) -> float:
+    """λ_max(∇²loss) by power iteration on Hessian-vector products (no P × P matrix)."""
+    from jax.flatten_util import ravel_pytree
+
+    flat, unravel = ravel_pytree(model)
+    grad = jax.grad(lambda theta: unravel(theta).loss(problem))
+    hvp = jax.jit(lambda v: jax.jvp(grad, (flat,), (v,))[1])
+    v = jax.random.normal(jax.random.key(2), flat.shape, flat.dtype)
+    lam = 0.0
+    for _ in range(iterations):
+        w = hvp(v / jnp.linalg.norm(v))
+        lam, v = float(jnp.linalg.norm(w)), w
+    return lam
+
+
+def one_size(d: int, sgd_budget_s: float) -> dict:
+    """gflow's exact flow at size d, then SGD from the same init in segments until it is
+    within 1e-4 and 1e-6 of the flow's endpoint (singular values and unobserved error) or
+    its time budget is spent."""
+    problem, init = problem_and_init(d)
+    r = gflow.flow(problem, init)
+    row = {
+        "d": d,
+        "observed": int(np.sum(np.asarray(problem.mask))),
+        "parameters": 3 * d * d,
+        "status": r.status_label,
+        "loss_relative": float(r.loss) / float(r.loss_init),
+        "solve_s": r.wall_time_s,
+        "compile_s": r.compile_time_s,
+        "steps": int(r.num_steps),
+        "linear_iters": int(r.num_linear_iters),
+        "factorizations": int(r.num_factorizations),
+        "work": r.work(),
+        "top_singular_values": gflow.singular_values(r.model)[:TOP].tolist(),
+    }
+    row |= _sgd_at_matched_accuracy(problem, init, r, sgd_budget_s)
+    row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return row
+
+
+def _sgd_at_matched_accuracy(problem, init, flow, budget_s, targets=(1e-4, 1e-6)) -> dict:
+    """SGD from the same init at lr = 1/λ_max (half its stability limit at the endpoint), then
+    at lr/4, lr/16, … while the time budget lasts. Each run goes in segments (plain SGD has no
+    state: resuming from the last iterate is exact) until it is within a target of the flow's
+    endpoint or has converged to its own, biased one.
+
+    Per target: the measured SGD time where a run got there (the fastest run), else, when
+    the converged runs' error is ∝ lr (fitted slope 0.8…1.2), the extrapolated time at the lr
+    that would reach it (steps ∝ 1/lr, measured time per step), else a lower bound: the time
+    SGD spent without getting there."""
+    lam = _largest_hessian_eigenvalue(flow.model, problem)
+    segment = 20_000
+    gflow.descend(problem, init, lr=1.0 / lam, max_steps=segment)  # compile
+    runs, spent = [], 0.0
+    lr = 1.0 / lam
+    while spent < budget_s:
+        model, wall, steps, reached = init, 0.0, 0, {}
+        while spent + wall < budget_s:
+            run = gflow.descend(problem, model, lr=lr, max_steps=segment)
+            wall += run.wall_time_s
+            steps += int(run.num_steps)
+            model = run.model
+            error = max(_errors(model, flow.model, problem).values())
+            for eps in targets:
+                if eps not in reached and error <= eps:
+                    reached[eps] = wall
+            if run.status_label != "max_steps" or len(reached) == len(targets):
+                break
+        spent += wall
+        runs.append(
+            {"lr": lr, "steps": steps, "wall_s": wall, "status": run.status_label}
+            | {"error": error, "reached_s": {str(k): v for k, v in reached.items()}}
+        )
+        if len(reached) == len(targets) or run.status_label != "converged":
+            break
+        lr /= 4
+    converged = [x for x in runs if x["status"] == "converged"]
+    slope = None
+    if len(converged) >= 2:
+        slope = gflow.loglog_slope([x["lr"] for x in converged], [x["error"] for x in converged])
+    t_step = sum(x["wall_s"] for x in runs) / max(sum(x["steps"] for x in runs), 1)
+    out = []
+    for eps in targets:
+        times = [x["reached_s"][str(eps)] for x in runs if str(eps) in x["reached_s"]]
+        row = {"target": eps}
+        if times:
+            row |= {"sgd_s": min(times), "ratio": min(times) / flow.wall_time_s}
+        elif slope is not None and 0.8 <= slope <= 1.2:
+            c = float(np.exp(np.mean([np.log(x["error"] / x["lr"]) for x in converged])))
+            lr_needed = eps / c
+            flow_time = float(np.mean([x["steps"] * x["lr"] for x in converged]))
+            estimate = flow_time / lr_needed * t_step
+            row |= {
+                "sgd_lr_needed": lr_needed,
+                "sgd_s_extrapolated": estimate,
+                "ratio_extrapolated": estimate / flow.wall_time_s,
+            }
+        else:
+            row |= {"sgd_s_at_least": spent, "ratio_at_least": spent / flow.wall_time_s}
+        out.append(row)
+    sgd = {"lambda_max": lam, "runs": runs, "slope": slope, "time_per_step_s": t_step}
+    return {"sgd": sgd, "targets": out}
+
+
+def random_mask_sweep(quick: bool) -> dict:
+    """The issue's sweep: d = 8 random masks (density 0.5, rank 2), Gaussian inits, depths
+    2–5 × α 1e-1…1e-4 × 4 seeds (112 flows; quick: 2 depths × 2 α × 4 seeds), chunks of 8;
+    stiff tails apart (the default) and, side by side, batched."""
+    depths = [2, 3] if quick else [2, 3, 4, 5]
+    alphas = [1e-1, 1e-2] if quick else [1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4]
+    spec = dict(
+        axes={"depth": depths, "alpha": alphas, "seed": [0, 1, 2, 3]},
+        fixed={"dim": 8, "density": 0.5, "rank": 2},
+        problem="bernoulli",
+        init="gaussian",
+        options=gflow.FlowOptions(rtol=1e-10, max_steps=100_000),
+        chunk_size=8,
+    )
+    out = {"flows": int(np.prod([len(depths), len(alphas), 4]))}
+    results = {}
+    modes = ("apart", "batch") if quick else ("apart",)
+    for mode in modes:
+        start = time.perf_counter()
+        ds = gflow.sweep(gflow.SweepSpec(**spec, tails=mode), progress=False)
+        wall = time.perf_counter() - start
+        status = np.asarray(ds.status.values).ravel()
+        results[mode] = ds
+        out[mode] = {
+            "wall_s": wall,
+            "converged": int(np.sum(status == 0)),
+            "stiff_tail_flows": int(np.sum(np.asarray(ds.end_phase.values) == 2)),
+        }
+    if "batch" in out:
+        out["batch_over_apart"] = out["batch"]["wall_s"] / out["apart"]["wall_s"]
+        a, b = results["apart"].sigma.values, results["batch"].sigma.values
+        out["sigma_max_relative_difference"] = float(np.nanmax(np.abs(a - b) / np.abs(b)))
+    return out
+
+
+def scale(quick: bool) -> dict:
+    """Field-size flows (d = 20, 50 quick; 20, 50, 100, 200 full), each in its own process,
+    and the random-mask sweep."""
+    sizes = (20, 50) if quick else (20, 50, 100, 200)
+    rows = []
+    for d in sizes:
+        budget = 60.0 if quick else 600.0
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.scale", str(d), str(budget)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        rows.append(json.loads(done.stdout.splitlines()[-1]))
+    return {"rows": rows, "sweep": random_mask_sweep(quick)}
+
+
+def summary(r: dict) -> str:
+    parts = []
+    for row in r["rows"]:
+        ratios = []
+        for t in row["targets"]:
+            if "ratio" in t:
+                ratios.append(f"{t['target']:.0e}: SGD/gflow = {t['ratio']:.3g}×")
+            elif "ratio_extrapolated" in t:
+                ratios.append(
+                    f"{t['target']:.0e}: SGD/gflow ≈ {t['ratio_extrapolated']:.3g}× (extrapolated)"
+                )
+            else:
+                ratios.append(f"{t['target']:.0e}: SGD/gflow ≥ {t['ratio_at_least']:.3g}×")
+        parts.append(
+            f"d={row['d']}: {row['status']} {row['solve_s']:.3g} s ({row['steps']} steps, "
+            f"{row['linear_iters']} CG, {row['peak_rss_mb']:.0f} MB); " + ", ".join(ratios)
+        )
+    s = r["sweep"]
+    text = f"{s['flows']}-flow sweep, tails apart: {s['apart']['wall_s']:.3g} s"
+    if "batch_over_apart" in s:
+        text += f", batched/apart = {s['batch_over_apart']:.3g}×"
+    return " | ".join(parts + [text])
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_enable_x64", True)
+    size, budget = int(sys.argv[1]), float(sys.argv[2])
+    result = one_size(size, budget)
+    print(json.dumps(result, default=str))
+    if not math.isfinite(result["solve_s"]):
+        sys.exit(1)
