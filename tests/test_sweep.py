@@ -231,6 +231,13 @@ def test_sigkill_midway_then_resume_loses_and_repeats_nothing(tmp_path):
     done, first_ids = _done_chunks(store)
     assert 0 < done.sum() < done.size
     finished_before = done.copy()
+    import warnings
+
+    import xarray as xr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "failed to open Zarr store with consolidated metadata"
+        assert int(xr.open_zarr(store).done.sum()) == int(done.sum())
     result = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     done_after, ids_after = _done_chunks(store)

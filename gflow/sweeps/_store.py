@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 
 import numpy as np
 
@@ -76,7 +77,11 @@ def _open_or_create(path, spec, order, resume):
             for name in template.data_vars
         }
         tmp = f"{os.fspath(path).rstrip(os.sep)}.creating-{os.getpid()}"
-        template.to_zarr(tmp, mode="w", encoding=encoding, compute=True, consolidated=False)
+        # Consolidated once here: chunk writes change data, never metadata, so the store opens
+        # without xarray's warning even after a run killed midway.
+        with warnings.catch_warnings():  # zarr 3: "not part of the format 3 specification"
+            warnings.filterwarnings("ignore", message="Consolidated metadata")
+            template.to_zarr(tmp, mode="w", encoding=encoding, compute=True, consolidated=True)
         try:
             os.rename(tmp, path)
             return xr.open_zarr(path, consolidated=False)
