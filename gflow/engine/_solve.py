@@ -103,16 +103,17 @@ def solve(
         code=jnp.where(finished, first.stats.solver_code, explicit.stats.solver_code),
     )
     runs = [first, explicit]
-    handover = None
+    handover = None  # where the stiff tail ran: None when it was not part of this solve
     if options.stiff_tail:
-        handover = (~finished) & (explicit.status == Status.MAX_STEPS)
-    if handover is not None and defer_tail:
-        end.status = jnp.where(handover, Status.PENDING, end.status)
-        handover = None
-    elif handover is not None:
-        tail = _stiff_tail(setup, solvers["stiff"], end, handover, batch_axis, options.max_steps)
-        end = end.then(handover, tail, Phase.STIFF_TAIL)
-        runs.append(tail)
+        reached = (~finished) & (explicit.status == Status.MAX_STEPS)
+        if defer_tail:
+            end.status = jnp.where(reached, Status.PENDING, end.status)
+        else:
+            handover = reached
+            stiff = solvers["stiff"]
+            tail = _stiff_tail(setup, stiff, end, handover, batch_axis, options.max_steps)
+            end = end.then(handover, tail, Phase.STIFF_TAIL)
+            runs.append(tail)
     trajectory = None
     if options.save or options.save_ts is not None:
         trajectory = _trajectory(runs, use_loss_clock, finished, handover, n1)
@@ -124,15 +125,14 @@ def finish_tail(
     model: Factorization,
     head: FlowResult,
     options: FlowOptions,
-    depth=None,
     observed: int | None = None,
 ) -> FlowResult:
     """The stiff tail of a solve run with `defer_tail=True` (`head`, from the initial `model`),
     as that solve would have run it: the whole flow's result. A head whose status is not
-    `PENDING` is returned as it is (the branch costs it nothing)."""
-    dtype = model.layers[0].dtype
-    layer_mask = None if depth is None else (jnp.arange(model.depth) < depth).astype(dtype)
-    setup = _setup(problem, model, options, layer_mask)
+    `PENDING` is returned as it is (the branch costs it nothing). `model` and `head` are
+    unpadded: a depth-padded solve's tail runs at its true depth (`finish_tails` strips the
+    frozen identity layers first)."""
+    setup = _setup(problem, model, options, None)
     solver = _solvers(options, setup, None, observed)["stiff"]
     y = {"model": head.model}
     if options.certificates:
