@@ -134,6 +134,15 @@ def _plot(name, result, path):
     plt.close(fig)
 
 
+def _sgd_ratio(target: dict) -> str:
+    """SGD's time over gflow's for one accuracy target: measured, extrapolated or a bound."""
+    if "ratio" in target:
+        return f"SGD/gflow = {target['ratio']:.3g}×"
+    if "ratio_extrapolated" in target:
+        return f"SGD/gflow ≈ {target['ratio_extrapolated']:.3g}× (extrapolated)"
+    return f"SGD/gflow ≥ {target['ratio_at_least']:.3g}×"
+
+
 def _summary(name, r):
     if name == "sgd_matched_accuracy":
         parts = []
@@ -144,13 +153,9 @@ def _summary(name, r):
                     f"{sorted({x['status'] for x in v['sgd_runs']})}), no extrapolation"
                 )
             for t in v["targets"]:
-                if "ratio" in t:
-                    parts.append(f"{case} {t['target']:.0e}: SGD/gflow = {t['ratio']:.3g}×")
-                elif "ratio_at_least" in t:
-                    parts.append(
-                        f"{case} {t['target']:.0e}: SGD never reached it; SGD/gflow ≥ "
-                        f"{t['ratio_at_least']:.3g}×"
-                    )
+                if "ratio" in t or "ratio_at_least" in t:
+                    missed = "SGD never reached it; " if "ratio_at_least" in t else ""
+                    parts.append(f"{case} {t['target']:.0e}: {missed}{_sgd_ratio(t)}")
         return "; ".join(parts)
     if name == "small_alpha_reach":
         worst = min(x["ratio"] for x in r["rows"])
@@ -210,9 +215,17 @@ def _summary(name, r):
             f"identical results: {r['identical_results']}"
         )
     if name == "scale":
-        from benchmarks.scale import summary
-
-        return summary(r)
+        parts = [
+            f"d={row['d']}: {row['status']} {row['solve_s']:.3g} s ({row['steps']} steps, "
+            f"{row['linear_iters']} CG, {row['peak_rss_mb']:.0f} MB); "
+            + ", ".join(f"{t['target']:.0e}: {_sgd_ratio(t)}" for t in row["targets"])
+            for row in r["rows"]
+        ]
+        sweep = r["sweep"]
+        text = f"{sweep['flows']}-flow sweep, tails apart: {sweep['apart']['wall_s']:.3g} s"
+        if "batch_over_apart" in sweep:
+            text += f", batched/apart = {sweep['batch_over_apart']:.3g}×"
+        return " | ".join(parts + [text])
     if name == "rhs_efficiency":
         return "; ".join(
             f"d={x['d']} L={x['L']}: {x['fraction_of_matmul_rate']:.0%}" for x in r["rows"]
