@@ -60,6 +60,41 @@ def test_points_equal_single_flows(small_sweep):
         assert abs(int(point["num_steps"]) - int(single.num_steps)) <= 3
 
 
+def test_the_store_opens_as_a_labelled_grid(small_sweep):
+    """`xr.open_zarr` on the store itself gives the grid: one dimension per axis, labelled."""
+    ds, out, _ = small_sweep
+    store = xr.open_zarr(out)
+    assert store["stable_rank"].dims == ("depth", "alpha", "m")
+    assert store["sigma"].dims == ("depth", "alpha", "m", "k")
+    assert list(store["alpha"].values) == [0.1, 1e-2, 1e-3]
+    at_depth_3 = store.stable_rank.sel(depth=3)
+    assert at_depth_3.dims == ("alpha", "m")
+    np.testing.assert_array_equal(at_depth_3.values, ds["stable_rank"].sel(depth=3).values)
+    np.testing.assert_array_equal(
+        store["sigma"].sel(depth=2, alpha=1e-2, m=4.0).values,
+        ds["sigma"].sel(depth=2, alpha=1e-2, m=4.0).values,
+    )
+    assert store["done"].dtype == bool and store["status"].dtype == np.int8
+
+
+def test_a_flat_store_of_an_older_gflow_is_read_as_a_grid_but_not_resumed(small_sweep, tmp_path):
+    ds, _, _ = small_sweep
+    flat = ds.stack(point=list(SPEC.axes)).reset_index("point").transpose("point", ...)
+    # the old layout: one `point` dimension in execution order, `grid_index` to undo it
+    order = np.array([i for _, idx in gflow.sweeps._spec.execution_order(SPEC) for i in idx])
+    flat = flat.isel(point=order).drop_vars(list(SPEC.axes))
+    flat = flat.assign_coords(grid_index=("point", order))
+    flat.attrs = {k: v for k, v in ds.attrs.items() if k != "layout"}
+    old = tmp_path / "old.zarr"
+    flat.to_zarr(old, consolidated=False)
+    again = gflow.load_sweep(old)
+    assert again["sigma"].dims == ("depth", "alpha", "m", "k")
+    np.testing.assert_array_equal(again["sigma"].values, ds["sigma"].values)
+    np.testing.assert_array_equal(again["status"].values, ds["status"].values)
+    with pytest.raises(ValueError, match="older gflow"):
+        gflow.sweep(SPEC, old, resume=True, progress=False)
+
+
 def test_one_compilation_per_depth(small_sweep):
     _, _, compiles = small_sweep
     assert compiles <= 2

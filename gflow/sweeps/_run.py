@@ -12,7 +12,7 @@ from ..analysis import effective_rank_of, family_spectrum, stable_rank_of
 from ..engine._flow import _compiled_solver, finish_tails
 from ._build import build_chunk
 from ._spec import SweepSpec, execution_order
-from ._store import _chunk_regions, _open_or_create, _template, to_grid
+from ._store import _chunk_indices, _open_or_create, _template, write_points
 
 
 def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np.ndarray]:
@@ -74,15 +74,15 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np
 
 def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=None, worker=None):
     """Run every flow of `spec` and return the results as an `xarray.Dataset` with one
-    dimension per axis (see `to_grid`).
+    dimension per axis, the same grid the store holds.
 
     With `out` (a path ending in `.zarr`), results stream into that store chunk by chunk;
     `resume=True` continues a store left by an interrupted run, recomputing only unfinished
     chunks. Ctrl-C stops after the chunk in flight is discarded; every finished chunk is kept.
     `devices`: spread each batch over these JAX devices (default: all local devices).
     `worker=(k, n)`: one of n independent processes (hosts, Slurm array tasks) sharing the
-    store `out`: this one runs the chunks whose index is k mod n (and implies `resume`). Chunks
-    are disjoint zarr regions, so workers never write the same bytes; rerunning a worker after
+    store `out`: this one runs the chunks whose index is k mod n (and implies `resume`). Each
+    point is its own zarr chunk, so workers never write the same file; rerunning a worker after
     a crash resumes it. The returned dataset holds whatever the store holds when it finishes.
     """
     import xarray as xr
@@ -95,35 +95,27 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
     order = execution_order(spec)
     points = spec.points()
     devices = devices if devices is not None else jax.local_devices()
-    if out is None:
-        ds = _template(spec, order)
-        store = None
-    else:
-        ds = _open_or_create(out, spec, order, resume)
-        store = out
-    done = np.asarray(ds["done"].values)
+    ds = _template(spec) if out is None else _open_or_create(out, spec, resume)
+    done = np.asarray(ds["done"].values).ravel()
     run_id = os.getpid()
-    mine = _chunk_regions(order, worker)
-    todo = [(offset, idx) for offset, idx in mine if not done[offset : offset + len(idx)].all()]
-    total = sum(len(idx) for _, idx in mine)
-    bar = _progress(len(todo), total - sum(len(i) for _, i in todo), total, progress)
+    mine = _chunk_indices(order, worker)
+    todo = [idx for idx in mine if not done[idx].all()]
+    total = sum(len(idx) for idx in mine)
+    bar = _progress(len(todo), total - sum(len(idx) for idx in todo), total, progress)
     try:
-        for offset, idx in todo:
+        for idx in todo:
             start = time.perf_counter()
             res = run_chunk(spec, [points[i] for i in idx], devices)
             wall = time.perf_counter() - start
-            region = slice(offset, offset + len(idx))
             res["wall_time_s"] = np.full(len(idx), wall / len(idx))
             res["run_id"] = np.full(len(idx), run_id, dtype=np.int64)
-            if store is None:
+            if out is None:
+                where = np.unravel_index(idx, spec.shape)
                 for name, values in res.items():
-                    ds[name][region] = values
-                ds["done"][region] = True
+                    ds[name].values[where] = values
+                ds["done"].values[where] = True
             else:
-                chunk = xr.Dataset({name: (ds[name].dims, values) for name, values in res.items()})
-                chunk.to_zarr(store, region={"point": region}, consolidated=False)
-                flag = xr.Dataset({"done": ("point", np.ones(len(idx), dtype=bool))})
-                flag.to_zarr(store, region={"point": region}, consolidated=False)
+                write_points(out, spec, idx, res)
             bar.update(len(idx))
     except KeyboardInterrupt:
         bar.close()
@@ -132,9 +124,9 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
         )
         raise
     bar.close()
-    if store is not None:
-        ds = xr.open_zarr(store, consolidated=False).load()
-    return to_grid(ds)
+    if out is not None:
+        ds = xr.open_zarr(out, consolidated=False).load()
+    return ds
 
 
 def _progress(chunks, already, total, enabled):

@@ -1,10 +1,12 @@
-"""The zarr store of a sweep, which a crash cannot corrupt.
+"""The zarr store of a sweep: a labelled grid that a crash cannot corrupt.
 
-The grid is flattened into one `point` dimension in execution order (`execution_order`); each
-chunk of points is one zarr chunk. A chunk's results are written first and its `done` flag
-after, so a chunk killed half-way stays not-done and is recomputed on resume; a finished chunk
-is never recomputed. `to_grid` turns the flat store into a dataset with one dimension per axis;
-points not written yet read `pending`.
+Every variable has one dimension per axis (`sigma` one more, `k`), so
+`xr.open_zarr(store).stable_rank.sel(depth=3).plot()` works on the store as it is, also while a
+sweep is still writing it. Each grid point is its own zarr chunk: the points of a batch lie
+anywhere in the grid (`execution_order` groups them by shape and length), and workers writing
+different points never write the same file. A batch's results are written first and its `done`
+flags after, so a batch killed half-way stays not-done and is recomputed on resume; a finished
+point is never recomputed. Points not written yet read `pending`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import numpy as np
 
 from ..engine import Status
 from ._spec import SweepSpec, _scalar, execution_order
+
+LAYOUT = "grid"  # stores before it were flat (one `point` dimension); `to_grid` still reads them
 
 VARIABLES = {
     "status": np.int8,
@@ -38,32 +42,28 @@ VARIABLES = {
 }
 
 
-def _template(spec: SweepSpec, order):
+def _template(spec: SweepSpec):
+    """The empty grid: every point pending."""
     import xarray as xr
 
-    points = spec.points()
-    flat = [i for _, idx in order for i in idx]
-    n = len(flat)
-    coords = {
-        name: ("point", np.array([points[i][name] for i in flat], dtype=float))
-        for name in spec.axes
-    }
-    coords["grid_index"] = ("point", np.array(flat, dtype=np.int64))
+    axes, shape = list(spec.axes), spec.shape
     data = {}
     for name, dtype in VARIABLES.items():
         fill = -1 if np.issubdtype(dtype, np.integer) else np.nan
-        data[name] = ("point", np.full(n, fill, dtype=dtype))
-    data["sigma"] = (("point", "k"), np.full((n, spec.top), np.nan))
-    data["done"] = ("point", np.zeros(n, dtype=bool))
+        data[name] = (axes, np.full(shape, fill, dtype=dtype))
+    data["sigma"] = ([*axes, "k"], np.full((*shape, spec.top), np.nan))
+    data["done"] = (axes, np.zeros(shape, dtype=bool))
+    coords = {a: np.array([_scalar(v) for v in values]) for a, values in spec.axes.items()}
     ds = xr.Dataset(data, coords=coords)
     ds.attrs["spec"] = spec.to_json()
-    ds.attrs["axes"] = json.dumps(list(spec.axes))
+    ds.attrs["axes"] = json.dumps(axes)
     ds.attrs["chunk_size"] = spec.chunk_size
+    ds.attrs["layout"] = LAYOUT
     ds.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return ds
 
 
-def _open_or_create(path, spec, order, resume):
+def _open_or_create(path, spec, resume):
     """Open the store at `path`, or create it: written under a temporary name and renamed into
     place, so that workers starting together agree on one store (the first rename wins)."""
     import shutil
@@ -71,13 +71,11 @@ def _open_or_create(path, spec, order, resume):
     import xarray as xr
 
     if not os.path.exists(path):
-        template = _template(spec, order)
-        encoding = {
-            name: {"chunks": (spec.chunk_size,) + template[name].shape[1:]}
-            for name in template.data_vars
-        }
+        template = _template(spec)
+        ones = (1,) * len(spec.axes)  # one chunk per point
+        encoding = {name: {"chunks": ones + template[name].shape[len(ones) :]} for name in template}
         tmp = f"{os.fspath(path).rstrip(os.sep)}.creating-{os.getpid()}"
-        # Consolidated once here: chunk writes change data, never metadata, so the store opens
+        # Consolidated once here: point writes change data, never metadata, so the store opens
         # without xarray's warning even after a run killed midway.
         with warnings.catch_warnings():  # zarr 3: "not part of the format 3 specification"
             warnings.filterwarnings("ignore", message="Consolidated metadata")
@@ -90,20 +88,37 @@ def _open_or_create(path, spec, order, resume):
     elif not resume:
         raise FileExistsError(f"{path} exists: pass resume=True (--resume) to continue it")
     ds = xr.open_zarr(path, consolidated=False)
+    if ds.attrs.get("layout") != LAYOUT:
+        raise ValueError(
+            f"{path} was written by an older gflow (one flat `point` dimension): it can be read "
+            "(gflow.load_sweep) but not resumed; run the sweep into a new --out path"
+        )
     if ds.attrs.get("spec") != spec.to_json():
         raise ValueError(f"{path} holds a different sweep; use another --out path")
     return ds
 
 
-def _chunk_regions(order, worker=None) -> list[tuple[int, list[int]]]:
-    """(offset in the store, canonical point indices) of each chunk; with `worker=(k, n)`, only
-    the chunks that worker runs (chunk index k mod n)."""
-    regions, offset = [], 0
-    for chunk, (_, idx) in enumerate(order):
-        if worker is None or chunk % worker[1] == worker[0]:
-            regions.append((offset, idx))
-        offset += len(idx)
-    return regions
+def write_points(path, spec: SweepSpec, idx, results: dict[str, np.ndarray]):
+    """Write the results of the points `idx` (canonical indices) into the store at `path`,
+    then their `done` flags."""
+    import zarr
+
+    group = zarr.open_group(os.fspath(path), mode="r+")
+    where = np.unravel_index(np.asarray(idx), spec.shape)
+    for name, values in results.items():
+        _set_points(group[name], where, values)
+    _set_points(group["done"], where, np.ones(len(idx), dtype=bool))
+
+
+def _set_points(array, where, values):
+    for j, point in enumerate(zip(*where, strict=True)):
+        array[tuple(int(i) for i in point)] = values[j]
+
+
+def _chunk_indices(order, worker=None) -> list[list[int]]:
+    """The canonical point indices of each batch; with `worker=(k, n)`, only the batches that
+    worker runs (batch index k mod n)."""
+    return [idx for b, (_, idx) in enumerate(order) if worker is None or b % worker[1] == worker[0]]
 
 
 def sweep_summary(ds, worker=None) -> dict:
@@ -114,11 +129,10 @@ def sweep_summary(ds, worker=None) -> dict:
     `chunks_pending` says how many chunks of the whole store are still to be computed."""
     spec = SweepSpec.from_dict(json.loads(ds.attrs["spec"]))
     order = execution_order(spec)
-    done = np.asarray(ds["done"].values).ravel()
+    done = np.asarray(ds["done"].values).ravel()  # the grid is in canonical (row-major) order
     status = np.where(done, np.asarray(ds["status"].values).ravel(), int(Status.PENDING))
-    # the grid is in canonical order: a chunk's points are its canonical indices
     pending = sum(not done[idx].all() for _, idx in order)
-    own = np.concatenate([np.asarray(i, dtype=np.int64) for _, i in _chunk_regions(order, worker)])
+    own = np.concatenate([np.asarray(i, dtype=np.int64) for i in _chunk_indices(order, worker)])
     counts: dict[str, int] = {}
     for code in status[own]:
         label = Status(int(code)).label
@@ -137,25 +151,26 @@ def status_labels(values) -> np.ndarray:
 
 
 def to_grid(ds):
-    """The flat store as a dataset with one dimension per axis (canonical order)."""
+    """A sweep's dataset with one dimension per axis: a store is one already; a store written
+    before gflow kept the grid (one flat `point` dimension) is reshaped."""
+    if "point" not in ds.dims:
+        return ds
+    import xarray as xr
+
     axes = json.loads(ds.attrs["axes"])
     spec = json.loads(ds.attrs["spec"])
     shape = [len(spec["axes"][a]) for a in axes]
-    order = np.argsort(ds["grid_index"].values)
-    flat = ds.isel(point=order)
-    import xarray as xr
-
+    flat = ds.isel(point=np.argsort(ds["grid_index"].values))
     data = {}
     for name, var in flat.data_vars.items():
         values = var.values
         data[name] = (tuple(axes) + var.dims[1:], values.reshape(shape + list(values.shape[1:])))
     coords = {a: np.array([_scalar(v) for v in spec["axes"][a]]) for a in axes}
-    grid = xr.Dataset(data, coords=coords, attrs=dict(ds.attrs))
-    return grid
+    return xr.Dataset(data, coords=coords, attrs=dict(ds.attrs))
 
 
 def load_sweep(path):
-    """Open a sweep store as a gridded dataset."""
+    """Open a sweep store as a gridded dataset, loaded into memory."""
     import xarray as xr
 
     return to_grid(xr.open_zarr(path, consolidated=False).load())
