@@ -53,9 +53,6 @@ assert row["max_relerr"] < 1e-8
 # The loss along the way (log-spaced samples), and the coupling verdict.
 
 # %%
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 traj = result.trajectory.compress()

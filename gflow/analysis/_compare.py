@@ -135,9 +135,7 @@ def plot_rank_vs_alpha(
     """Stable rank − 1 and σ_B/σ_A against α on log axes: one theory curve per depth, the
     integrated endpoints (comparison rows) as markers on top; rows whose flow did not converge
     as grey crosses. Returns the figure."""
-    import matplotlib
 
-    matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     depths = sorted({r["L"] for r in rows})
