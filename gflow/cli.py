@@ -153,6 +153,8 @@ def cmd_run(args) -> int:
 
     import gflow
 
+    if args.sensitivity < 0:
+        raise UsageError(f"--sensitivity K needs K >= 1 (0: off), got {args.sensitivity}")
     problem = build_problem(args)
     model = build_model(args, problem)
     options = gflow.FlowOptions(
@@ -185,9 +187,22 @@ def cmd_run(args) -> int:
         "certificates": gflow.certificates(result, model, problem),
         "config": _config(args),
     }
+    family = None
     if args.init == "identity" and args.problem in ("diagonal", "block-diagonal"):
-        n, s = (args.dim, 1) if args.problem == "diagonal" else (args.blocks, args.block_size)
-        report["family_spectrum"] = gflow.family_spectrum(result.model, n, s)
+        family = (args.dim, 1) if args.problem == "diagonal" else (args.blocks, args.block_size)
+        report["family_spectrum"] = gflow.family_spectrum(result.model, *family)
+    sens = None
+    if args.sensitivity:
+        sens = gflow.sensitivity(
+            problem,
+            model,
+            k=args.sensitivity,
+            eps=args.sensitivity_eps,
+            key=gflow.seed_keys(args.seed)[1],
+            family=family,
+            options=options,
+        )
+        report["sensitivity"] = sens.to_dict()
     if args.json:
         print(json.dumps(_jsonable(report)))
     else:
@@ -202,6 +217,8 @@ def cmd_run(args) -> int:
             f"solve {report['wall_time_s']:.3f} s, compile {report['compile_time_s']:.2f} s"
             + source[result.compile_cache_hit]
         )
+        if sens is not None:
+            print(sens.format())
     return 0
 
 
@@ -350,6 +367,21 @@ def make_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="integrate one flow to its limit")
     _add_problem_options(run)
     _add_solver_options(run)
+    run.add_argument(
+        "--sensitivity",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run K flows from perturbed inits: how many digits of each endpoint "
+        "quantity are reproducible",
+    )
+    run.add_argument(
+        "--sensitivity-eps",
+        type=float,
+        default=1e-12,
+        metavar="EPS",
+        help="relative size of those perturbations (default 1e-12)",
+    )
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.set_defaults(func=cmd_run)
     theory = sub.add_parser("theory", help="predicted singular values for the identity family")
@@ -392,6 +424,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # silence XLA's C++ chatter on stderr
+    os.environ.setdefault("MPLBACKEND", "Agg")  # the CLI writes figures to files, never windows
     parser = make_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,5 +1,6 @@
 """Sweeps: batched grids against single flows, crash-safe resume, compile counts, devices."""
 
+import dataclasses
 import json
 import math
 import os
@@ -93,6 +94,32 @@ def test_a_flat_store_of_an_older_gflow_is_read_as_a_grid_but_not_resumed(small_
     np.testing.assert_array_equal(again["status"].values, ds["status"].values)
     with pytest.raises(ValueError, match="older gflow"):
         gflow.sweep(SPEC, old, resume=True, progress=False)
+
+
+def test_a_sensitivity_sweep_stores_the_reproducible_digits(tmp_path):
+    """Blocks 3×2, m = 3, α = 0.02: depth 2's σ_B is stable, depth 3's is decided by rounding
+    (its invariant set is unstable while mode C decays); the store says so per point."""
+    spec = gflow.SweepSpec(
+        axes={"depth": [2, 3]},
+        fixed={"blocks": 3, "block_size": 2, "m": 3.0, "alpha": 0.02},
+        problem="block-diagonal",
+        chunk_size=2,
+        top=4,
+        sensitivity=3,
+        sensitivity_eps=1e-14,
+    )
+    ds = gflow.sweep(spec, tmp_path / "digits.zarr", progress=False)
+    assert np.all(ds["status"].values == gflow.Status.CONVERGED)
+    digits_b = xr.open_zarr(tmp_path / "digits.zarr")["digits_sigma_b_layers"]
+    assert digits_b.dims == ("depth",)
+    assert int(digits_b.sel(depth=2)) >= 10 and int(digits_b.sel(depth=3)) <= 6
+    assert ds["digits_sigma"].dims == ("depth", "k")
+    assert int(ds["digits_sigma"].sel(depth=3, k=0)) >= 8  # σ₁ = σ_A stays reproducible
+    assert int(ds["digits_sigma"].sel(depth=3, k=1)) <= 6
+    # the unperturbed flows are the plain sweep's
+    plain = gflow.sweep(dataclasses.replace(spec, sensitivity=0), progress=False)
+    np.testing.assert_array_equal(plain["sigma"].values, ds["sigma"].values)
+    assert "digits_sigma" not in plain
 
 
 def test_one_compilation_per_depth(small_sweep):
@@ -189,6 +216,10 @@ def test_spec_validation():
         gflow.SweepSpec(axes={"alpha": [0.1, 0.0]})
     with pytest.raises(ValueError, match="m must be > 1"):
         gflow.SweepSpec(axes={"seed": [0]}, fixed={"m": 1.0})
+    with pytest.raises(ValueError, match="sensitivity must be an integer >= 0"):
+        gflow.SweepSpec(axes={"seed": [0]}, sensitivity=-1)
+    with pytest.raises(ValueError, match="sensitivity_eps must be finite and > 0"):
+        gflow.SweepSpec(axes={"seed": [0]}, sensitivity=2, sensitivity_eps=0.0)
 
 
 @pytest.mark.parametrize(

@@ -8,17 +8,26 @@ import time
 import jax
 import numpy as np
 
-from ..analysis import effective_rank_of, family_spectrum, stable_rank_of
+from ..analysis import (
+    effective_rank_of,
+    family_spectrum,
+    reproducible_digits,
+    stable_rank_of,
+)
+from ..analysis._sensitivity import perturb
+from ..engine import Status, stack
 from ..engine._flow import _compiled_solver, finish_tails
 from ._build import build_chunk
 from ._spec import SweepSpec, execution_order
 from ._store import _chunk_indices, _open_or_create, _template, write_points
 
 
-def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np.ndarray]:
+def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None, indices=None) -> dict:
     """Integrate the flows of one chunk (grid points as parameter dicts) as one vmapped batch,
     padded to `chunk_size` so every chunk of a group shares one compiled program; returns
-    per-point result arrays."""
+    per-point result arrays. With `spec.sensitivity`, the chunk is run again from perturbed
+    inits (keyed by the points' canonical `indices`, so a point's perturbations do not depend
+    on its chunk) and the reproducible digits are added."""
     n_dev = len(devices) if devices else 1
     size = -(-spec.chunk_size // n_dev) * n_dev  # every device gets an equal slice
     padded = chosen + [chosen[-1]] * (size - len(chosen))
@@ -36,12 +45,44 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np
         depths=depths,
         defer_tail=spec.tails == "apart",
     )
-    result = compiled(problems, models) if depths is None else compiled(problems, models, depths)
-    if spec.tails == "apart":
-        # Members that reach the stiff tail finish it one by one: the batch waits for none.
-        result = finish_tails(problems, models, result, spec.options, depths)
-    jax.block_until_ready(result)
+
+    def solve(models):
+        result = (
+            compiled(problems, models) if depths is None else compiled(problems, models, depths)
+        )
+        if spec.tails == "apart":
+            # Members that reach the stiff tail finish it one by one: the batch waits for none.
+            result = finish_tails(problems, models, result, spec.options, depths)
+        return jax.block_until_ready(result)
+
     n = len(chosen)
+    out = _endpoints(spec, chosen, solve(models), n)
+    if spec.sensitivity:
+        indices = list(range(n)) if indices is None else list(indices)
+        keys = [jax.random.fold_in(jax.random.key(0), i) for i in indices]
+        keys += keys[-1:] * (size - n)
+        runs = [out]
+        for j in range(1, spec.sensitivity + 1):
+            perturbed = stack(
+                [
+                    perturb(_member(models, b), spec.sensitivity_eps, jax.random.fold_in(k, j))
+                    for b, k in enumerate(keys)
+                ]
+            )
+            runs.append(_endpoints(spec, chosen, solve(perturbed), n))
+        out |= _digits(runs)
+    del out["_stable_rank_excess"]
+    steps = out["num_steps"].astype(float)
+    out["batch_efficiency"] = np.full(n, steps.mean() / max(steps.max(), 1.0))
+    return out
+
+
+def _member(models, b):
+    return jax.tree_util.tree_map(lambda x: x[b], models)
+
+
+def _endpoints(spec: SweepSpec, chosen: list[dict], result, n: int) -> dict[str, np.ndarray]:
+    """The stored per-point quantities of the first `n` members of a batched result."""
     out = {
         "status": np.asarray(result.status)[:n].astype(np.int8),
         "t_end": np.asarray(result.t_end)[:n],
@@ -59,6 +100,8 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np
     out["sigma"][:, :top] = sigma[:, :top]
     out["stable_rank"] = np.array([stable_rank_of(s) for s in sigma])
     out["effective_rank"] = np.array([effective_rank_of(s) for s in sigma])
+    # srank − 1 summed directly (`stable_rank` loses it below ~1e-15); kept for the digits
+    out["_stable_rank_excess"] = np.sum((sigma[:, 1:] / sigma[:, :1]) ** 2, axis=1)
     if spec.init == "identity" and spec.problem != "bernoulli":
         n_blocks = [p["dim"] if spec.problem == "diagonal" else p["blocks"] for p in chosen]
         s_blocks = [1 if spec.problem == "diagonal" else p["block_size"] for p in chosen]
@@ -67,8 +110,35 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None) -> dict[str, np
         ]
         out["log_sigma_a_layers"] = np.array([s["log_sigma_a"] for s in spectra])
         out["log_sigma_b_layers"] = np.array([s.get("log_sigma_b", np.nan) for s in spectra])
-    steps = out["num_steps"].astype(float)
-    out["batch_efficiency"] = np.full(n, steps.mean() / max(steps.max(), 1.0))
+    return out
+
+
+def _digits(runs: list[dict]) -> dict[str, np.ndarray]:
+    """Reproducible digits per point over the unperturbed run and its perturbed reruns; −1
+    where a member did not converge (not an endpoint: no digits to judge)."""
+    converged = np.all([r["status"] == int(Status.CONVERGED) for r in runs], axis=0)
+    n, top = runs[0]["sigma"].shape
+
+    def digits(values):  # (runs, n) → (n,)
+        return np.array(
+            [reproducible_digits(values[:, i]) if converged[i] else -1 for i in range(n)],
+            dtype=np.int8,
+        )
+
+    sigma = np.stack([r["sigma"] for r in runs])
+    out = {
+        "digits_sigma": np.stack(
+            [
+                digits(sigma[:, :, k]) if np.isfinite(sigma[0, 0, k]) else np.full(n, -1, np.int8)
+                for k in range(top)
+            ],
+            axis=1,
+        ).astype(np.int8),
+        "digits_stable_rank_excess": digits(np.stack([r["_stable_rank_excess"] for r in runs])),
+    }
+    if "log_sigma_b_layers" in runs[0]:
+        sigma_b = np.exp(np.stack([r["log_sigma_b_layers"] for r in runs]))
+        out["digits_sigma_b_layers"] = digits(sigma_b)
     return out
 
 
@@ -105,7 +175,7 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
     try:
         for idx in todo:
             start = time.perf_counter()
-            res = run_chunk(spec, [points[i] for i in idx], devices)
+            res = run_chunk(spec, [points[i] for i in idx], devices, idx)
             wall = time.perf_counter() - start
             res["wall_time_s"] = np.full(len(idx), wall / len(idx))
             res["run_id"] = np.full(len(idx), run_id, dtype=np.int64)

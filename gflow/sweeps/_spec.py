@@ -100,6 +100,11 @@ class SweepSpec:
       (default), each alone after its batch, so a batch costs the sum of its members' tails
       rather than its stiffest member's tail times the batch size; or `batch`, inside the
       vmapped batch (one program, every member stepping until the slowest is done).
+    - `sensitivity`: K > 0 also runs every point from K inits perturbed at relative size
+      `sensitivity_eps` (`gflow.sensitivity`), with the same compiled programs, and stores how
+      many digits of its singular values, of srank − 1 and (identity family) of σ_B from the
+      layers are reproducible (`digits_*`, −1 where a member did not converge); it costs
+      K + 1 times the flows.
     """
 
     axes: dict
@@ -111,6 +116,8 @@ class SweepSpec:
     top: int = 4
     depth_mode: str = "auto"
     tails: str = "apart"
+    sensitivity: int = 0
+    sensitivity_eps: float = 1e-12
 
     def __post_init__(self):
         if not self.axes:
@@ -137,6 +144,12 @@ class SweepSpec:
             raise ValueError(f"unknown tails {self.tails!r}; choose from {TAIL_MODES}")
         if not (isinstance(self.chunk_size, int) and self.chunk_size >= 1):
             raise ValueError("chunk_size must be a positive integer")
+        if not (isinstance(self.sensitivity, int) and self.sensitivity >= 0):
+            raise ValueError(f"sensitivity must be an integer >= 0, got {self.sensitivity!r}")
+        if not (math.isfinite(self.sensitivity_eps) and self.sensitivity_eps > 0):
+            raise ValueError(
+                f"sensitivity_eps must be finite and > 0, got {self.sensitivity_eps!r}"
+            )
         # Every value is checked here, before a store is created or any work done (models
         # are built traced, where the builders could not check their scalars).
         for name, (ok, rule) in _VALID.items():

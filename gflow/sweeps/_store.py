@@ -41,6 +41,9 @@ VARIABLES = {
     "run_id": np.int64,
 }
 
+# With `SweepSpec.sensitivity`: reproducible digits (−1: not judged, a member did not converge)
+SENSITIVITY_DIGITS = ("digits_stable_rank_excess", "digits_sigma_b_layers")
+
 
 def _template(spec: SweepSpec):
     """The empty grid: every point pending."""
@@ -52,6 +55,10 @@ def _template(spec: SweepSpec):
         fill = -1 if np.issubdtype(dtype, np.integer) else np.nan
         data[name] = (axes, np.full(shape, fill, dtype=dtype))
     data["sigma"] = ([*axes, "k"], np.full((*shape, spec.top), np.nan))
+    if spec.sensitivity:
+        data["digits_sigma"] = ([*axes, "k"], np.full((*shape, spec.top), -1, dtype=np.int8))
+        for name in SENSITIVITY_DIGITS:
+            data[name] = (axes, np.full(shape, -1, dtype=np.int8))
     data["done"] = (axes, np.zeros(shape, dtype=bool))
     coords = {a: np.array([_scalar(v) for v in values]) for a, values in spec.axes.items()}
     ds = xr.Dataset(data, coords=coords)
