@@ -26,6 +26,30 @@ def test_every_claim_row_is_reproduced(report):
     assert 0.9 <= facts["descent"]["slopes"]["3"] <= 1.1
 
 
+def test_the_report_says_how_many_digits_are_real(report):
+    """The blocks case: σ_B keeps few digits (rounding decides the rest), σ_A many; the reduced
+    flow ends on the implicit equations and follows the full flow along the trajectory; every
+    claim's endpoint number comes with its reproducible digits."""
+    facts = json.loads((report / "facts.json").read_text())
+    digits = facts["digits"]
+    assert digits["blocks_status"] == "converged"
+    assert digits["blocks_sigma_b_digits"] <= 6 < 9 <= digits["blocks_sigma_a_digits"]
+    assert digits["blocks_verdict"] == "agrees to its reproducible digits"
+    assert digits["reduced_status"] == "converged" and digits["reduced_vs_implicit"] < 1e-11
+    assert digits["stable_along_max_relerr"] < 1e-10
+    assert digits["blocks_along_before"] < 1e-10 < digits["blocks_along_max_relerr"]
+    claims = facts["claim_digits"]
+    assert set(claims) == {
+        "identity_L3", "identity_L5", "gaussian_L2", "connected_L2", "warm_L2", "cold_L2",
+        "warm_L3", "cold_L3", "x21_L3",
+    }  # fmt: skip
+    assert all(v is not None and v >= 8 for v in claims.values()), claims
+    md = (report / "report.md").read_text()
+    assert "| claim row | coupled? | limit rank | loss of plasticity? | reproducible digits |" in md
+    assert f"X₂₁ {claims['x21_L3']}" in md
+    assert "## How many digits are real" in md
+
+
 def test_report_files(report):
     md = (report / "report.md").read_text()
     table = [line for line in md.splitlines() if line.startswith("| L = ")]
@@ -33,13 +57,14 @@ def test_report_files(report):
     assert sum(line.count("✓") for line in table) >= 12
     assert not any("✗" in line for line in table)
     html = (report / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 5
+    assert html.count("data:image/png;base64,") == 6
     for name in [
         "fig1_identity_family_rank.png",
         "fig2_random_init_rank.png",
         "fig3_spectra.png",
         "fig4_plasticity.png",
         "fig5_flow_vs_sgd.png",
+        "fig6_digits.png",
         "identity_family.csv",
     ]:
         assert (report / name).stat().st_size > 1000, name

@@ -10,7 +10,7 @@ from ._compare import compare_family as compare_family
 from ._compare import compare_family_batch as compare_family_batch
 from ._compare import compare_family_trajectory as compare_family_trajectory
 from ._compare import format_table as format_table
-from ._compare import mode_c_decay_time as mode_c_decay_time
+from ._compare import ill_conditioned_after as ill_conditioned_after
 from ._compare import plot_rank_vs_alpha as plot_rank_vs_alpha
 from ._coupling import CouplingReport as CouplingReport
 from ._coupling import bipartite_components as bipartite_components
@@ -72,7 +72,7 @@ __all__ = [
     "family_spectrum",
     "format_table",
     "gram",
-    "mode_c_decay_time",
+    "ill_conditioned_after",
     "nuclear_norm",
     "plot_rank_vs_alpha",
     "reduced_flow",

@@ -49,7 +49,8 @@ class Sensitivity:
     - `digits[name]`: reproducible significant digits (`reproducible_digits`), None where a
       member did not converge;
     - `below_svd_floor`: singular values under the SVD's 1e-15·σ₁ resolution (their digits
-      are rounding, whatever the flow does; a family's σ's come from the layers instead).
+      are rounding, whatever the flow does; a family's σ's come from the layers instead);
+    - `result`: the batched `FlowResult` (`result.member(0)` is the unperturbed flow).
     """
 
     eps: float
@@ -57,6 +58,7 @@ class Sensitivity:
     values: dict[str, np.ndarray]
     digits: dict[str, int | None]
     below_svd_floor: list[str] = field(default_factory=list)
+    result: object = field(default=None, repr=False, compare=False)
 
     @property
     def all_converged(self) -> bool:
@@ -154,6 +156,7 @@ def sensitivity(
     key=0,
     family=None,
     top: int = 5,
+    measure=None,
     options=None,
     **kwargs,
 ) -> Sensitivity:
@@ -161,7 +164,8 @@ def sensitivity(
     one vmapped batch, and say how many digits of each endpoint quantity
     (`endpoint_quantities`) they share.
 
-    `family=(n, s)` adds the identity family's σ_A, σ_B, σ_C from the layers. `options` /
+    `family=(n, s)` adds the identity family's σ_A, σ_B, σ_C from the layers; `measure`, a
+    function of an endpoint model returning a dict of floats, adds its own. `options` /
     `**kwargs` are the flow's (`FlowOptions`). A quantity's digits are None unless every
     member converged: a flow that is not at its endpoint says nothing of the endpoint.
     """
@@ -178,10 +182,12 @@ def sensitivity(
     members = [model] + [perturb(model, eps, kk) for kk in jax.random.split(as_key(key), k)]
     result = flow_batch(problem, stack(members), options)
     statuses = [Status(int(c)).label for c in np.asarray(result.status)]
-    rows = [
-        endpoint_quantities(result.member(i).model, problem, top=top, family=family)
-        for i in range(k + 1)
-    ]
+    rows = []
+    for i in range(k + 1):
+        endpoint = result.member(i).model
+        rows.append(endpoint_quantities(endpoint, problem, top=top, family=family))
+        if measure is not None:
+            rows[-1] |= {name: float(v) for name, v in measure(endpoint).items()}
     values = {name: np.array([r[name] for r in rows]) for name in rows[0]}
     converged = all(s == "converged" for s in statuses)
     digits = {name: reproducible_digits(v) if converged else None for name, v in values.items()}
@@ -189,4 +195,4 @@ def sensitivity(
     below = [
         q for q in values if q[6:].isdigit() and q.startswith("sigma_") and values[q][0] < floor
     ]
-    return Sensitivity(float(eps), statuses, values, digits, below)
+    return Sensitivity(float(eps), statuses, values, digits, below, result)

@@ -193,6 +193,22 @@ def connected_superset_mask(d: int, extra: int, key) -> np.ndarray:
     raise RuntimeError("could not draw a connected mask; raise `extra`")
 
 
+def dxd_problem(d: int, *, rank: int = 1, extra: int | None = None, seed: int = 0):
+    """The resumed problem of `dxd_study` (truth J, or a random rank-`rank` matrix; Ω₂ = the
+    diagonal + `extra` random entries, connected) and the key its Gaussian inits use."""
+    import jax
+
+    from ..problem import bernoulli
+
+    k_truth, k_mask, k_init = jax.random.split(jax.random.key(seed), 3)
+    if rank == 1:  # the paper's truth, X* = J
+        truth = Problem(np.ones((d, d)), np.ones((d, d)))
+    else:
+        truth = bernoulli(d, d, 1.0, rank, k_truth)
+    mask2 = connected_superset_mask(d, extra if extra is not None else 2 * d, k_mask)
+    return truth.with_mask(mask2), k_init
+
+
 def dxd_study(
     d: int = 12,
     depths=(2, 3, 4, 5),
@@ -213,19 +229,9 @@ def dxd_study(
     Returns one row per (depth, α) with both phases' stable rank, unobserved error and distance
     travelled.
     """
-    import jax
-
     from ..inits import gaussian, identity_family
-    from ..problem import bernoulli
 
-    key = jax.random.key(seed)
-    k_truth, k_mask, k_init = jax.random.split(key, 3)
-    if rank == 1:  # the paper's truth, X* = J
-        truth = Problem(np.ones((d, d)), np.ones((d, d)))
-    else:
-        truth = bernoulli(d, d, 1.0, rank, k_truth)
-    mask2 = connected_superset_mask(d, extra if extra is not None else 2 * d, k_mask)
-    problem = truth.with_mask(mask2)
+    problem, k_init = dxd_problem(d, rank=rank, extra=extra, seed=seed)
     rows = []
     for depth in depths:
         for alpha in alphas:

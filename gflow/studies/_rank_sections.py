@@ -40,6 +40,8 @@ def identity_family_section(size, out, bar):
         options=size.get("options", gflow.FlowOptions()),
         chunk_size=len(size["alphas"]),
         top=d,
+        sensitivity=size.get("sensitivity", 0),
+        sensitivity_eps=size.get("sensitivity_eps", 1e-14),
     )
     ds = gflow.sweep(spec, out / "identity_family.zarr", progress=False)
     gflow.export_table(ds, out / "identity_family.csv")
@@ -75,6 +77,11 @@ def identity_family_section(size, out, bar):
             for r in rows
             if r["alpha"] == smallest
         },
+        # srank − 1 = (n − 1)(σ_B/σ_A)² keeps the digits σ_A and σ_B (from the layers) keep
+        "srank_minus_1_digits_by_depth": _digits_at(
+            ds.sel(alpha=smallest).isel(m=0),
+            lambda p: min(int(p["digits_sigma"][0]), int(p["digits_sigma_b_layers"])),
+        ),
         "converged": len(good),
         "flows": len(rows),
         "all_converged": len(good) == len(rows),
@@ -105,6 +112,8 @@ def random_init_section(size, out, bar):
     facts = {}
     notes = []
     for ax, (kind, fixed) in zip(axes[0], problems, strict=True):
+        # the claims read the diagonal panel: its points are rerun from perturbed inits
+        sensitivity = size.get("sensitivity", 0) if kind == "diagonal" else 0
         spec = gflow.SweepSpec(
             axes={
                 "depth": list(size["random_depths"]),
@@ -117,11 +126,19 @@ def random_init_section(size, out, bar):
             options=size.get("options", gflow.FlowOptions()),
             chunk_size=len(size["random_alphas"]) * len(size["seeds"]),
             top=6,
+            sensitivity=sensitivity,
+            sensitivity_eps=size.get("sensitivity_eps", 1e-14),
         )
         ds = gflow.sweep(spec, out / f"random_{kind}.zarr", progress=False)
         gflow.export_table(ds, out / f"random_{kind}.csv")
         bar.update(1)
         facts[kind] = _random_init_panel(ax, ds, kind)
+        if sensitivity:  # the fewest digits of srank − 1 over the seeds, at the smallest α
+            small = ds.sel(alpha=min(size["random_alphas"]))
+            facts[kind + "_digits"] = {
+                depth: None if None in per_seed else min(per_seed)
+                for depth, per_seed in _seed_digits(small).items()
+            }
         facts[kind + "_status"] = sorted(set(gflow.status_labels(ds["status"].values).ravel()))
         notes.append(f"{kind}: {status_note(ds['status'].values)}")
     name = _figure(fig, out, "fig2_random_init_rank.png")
@@ -189,6 +206,25 @@ def _random_init_panel(ax, ds, kind) -> dict:
     for i, depth in enumerate(ds["depth"].values):
         values = small["stable_rank"].sel(depth=depth).values[small_ok[i]]
         out[int(depth)] = float(values.mean()) if values.size else None
+    return out
+
+
+def _digits_at(points, digits_of) -> dict:
+    """{depth: digits_of(point)} over the `depth` axis; None where the point's flow or one of
+    its perturbed reruns did not converge (stored as −1)."""
+    out = {}
+    for depth in points["depth"].values:
+        value = digits_of(points.sel(depth=depth))
+        out[int(depth)] = None if value < 0 else value
+    return out
+
+
+def _seed_digits(points) -> dict:
+    """{depth: [digits of srank − 1 per seed]} (None for a seed without an endpoint)."""
+    out = {}
+    for depth in points["depth"].values:
+        values = points["digits_stable_rank_excess"].sel(depth=depth).values.ravel()
+        out[int(depth)] = [None if v < 0 else int(v) for v in values]
     return out
 
 

@@ -68,6 +68,10 @@ def _claim_rows(facts) -> list[dict]:
     x21 = plast["l3_minf_warm_x21"]
     x21 = None if x21 is None or math.isnan(x21) else x21
     connected = plast["l2_connected_small_alpha_srank"]
+    dig = facts.get("claim_digits", {})
+    digits = lambda *keys: " / ".join(
+        "no endpoint" if dig.get(k) is None else str(dig[k]) for k in keys
+    )
     rows = [
         {
             "row": "L = 2, general init, disconnected Ω",
@@ -83,6 +87,7 @@ def _claim_rows(facts) -> list[dict]:
             if l2row
             else None,
             "expect": (False, False, True),
+            "digits": f"rank {digits('gaussian_L2')} · warm / cold {digits('warm_L2', 'cold_L2')}",
         },
         {
             "row": "L = 2, connected Ω",
@@ -93,6 +98,7 @@ def _claim_rows(facts) -> list[dict]:
             "plasticity": "—",
             "loses": None,
             "expect": (True, True, None),
+            "digits": f"rank {digits('connected_L2')}",
         },
         {
             "row": "L = 3, general init (m = 4 / Gaussian)",
@@ -107,6 +113,7 @@ def _claim_rows(facts) -> list[dict]:
             else "—",
             "loses": (l3row["warm_stable_rank"] > 1.01) if l3row else None,
             "expect": (True, True, False),
+            "digits": f"rank {digits('identity_L3')} · warm / cold {digits('warm_L3', 'cold_L3')}",
         },
         {
             "row": "L = 3, diagonal init (m = ∞)",
@@ -117,6 +124,7 @@ def _claim_rows(facts) -> list[dict]:
             "plasticity": f"2×2 warm X₂₁ = {show(x21, '+.6f')}",
             "loses": None if x21 is None else x21 < 0,
             "expect": (False, False, True),
+            "digits": f"X₂₁ {digits('x21_L3')}",
         },
         {
             "row": "L = 5, general init",
@@ -127,6 +135,7 @@ def _claim_rows(facts) -> list[dict]:
             "plasticity": "—",
             "loses": None,
             "expect": (True, True, None),
+            "digits": f"rank {digits('identity_L5')}",
         },
     ]
     return rows
@@ -152,9 +161,10 @@ def claims_table(facts) -> tuple[str, list[dict]]:
         plasticity = "—"
         if r["expect"][2] is not None:
             plasticity = cell(marks[2], verdict(r["loses"], "yes: ", "no: ") + r["plasticity"])
-        cells.append([r["row"], cell(marks[0], r["coupled"]), cell(marks[1], rank), plasticity])
+        row = [r["row"], cell(marks[0], r["coupled"]), cell(marks[1], rank), plasticity]
+        cells.append(row + [r["digits"] if "claim_digits" in facts else "—"])
         verdicts.append({"row": r["row"], "marks": marks})
-    header = ["claim row", "coupled?", "limit rank", "loss of plasticity?"]
+    header = ["claim row", "coupled?", "limit rank", "loss of plasticity?", "reproducible digits"]
     return markdown_table(header, cells), verdicts
 
 

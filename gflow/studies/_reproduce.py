@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._digits_section import claim_digits, digits_section
 from ._rank_sections import (
     _random_init_panel,
     coupling_section,
@@ -49,6 +50,8 @@ SIZES = {
         dxd=4,
         dxd_depths=(2, 3),
         lrs=(0.04, 0.02, 0.01),
+        sensitivity=2,
+        sensitivity_eps=1e-14,
     ),
     "default": dict(
         depths=(2, 3, 4, 5, 6),
@@ -62,6 +65,8 @@ SIZES = {
         dxd=8,
         dxd_depths=(2, 3, 4),
         lrs=(0.04, 0.02, 0.01, 0.005),
+        sensitivity=4,
+        sensitivity_eps=1e-14,
     ),
     "full": dict(
         depths=(2, 3, 4, 5, 6),
@@ -75,6 +80,8 @@ SIZES = {
         dxd=16,
         dxd_depths=(2, 3, 4, 5),
         lrs=(0.08, 0.04, 0.02, 0.01, 0.005),
+        sensitivity=8,
+        sensitivity_eps=1e-14,
     ),
 }
 
@@ -94,7 +101,7 @@ def reproduce(out="gflow-report", mode="default", progress=True) -> dict:
 
         shutil.rmtree(stale)
     start = time.perf_counter()
-    bar = tqdm(total=8, desc=f"gflow reproduce ({mode})", unit="stage", disable=not progress)
+    bar = tqdm(total=9, desc=f"gflow reproduce ({mode})", unit="stage", disable=not progress)
     stage = lambda name: bar.set_description_str(f"gflow reproduce ({mode}): {name}")
     facts = {}
     sections = []
@@ -115,6 +122,11 @@ def reproduce(out="gflow-report", mode="default", progress=True) -> dict:
     stage("SGD and Adam against the flow")
     sec, facts["descent"] = descent_section(size, out, bar)
     sections.append(sec)
+    stage("reproducible digits")
+    sec, facts["digits"] = digits_section(out, size["sensitivity"], size["sensitivity_eps"])
+    sections.append(sec)
+    facts["claim_digits"] = claim_digits(size, facts)
+    bar.update(1)
     stage("claims and report")
     table, verdicts = claims_table(facts)
     bar.update(bar.total - bar.n)

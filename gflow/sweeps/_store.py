@@ -184,16 +184,19 @@ def load_sweep(path):
 
 
 def export_table(ds, path=None):
-    """A flat table, one row per flow (axes as columns, `sigma_0 …` for the singular values),
-    as a pandas DataFrame; written as CSV, or parquet when `path` ends in `.parquet`."""
-    frame = ds.drop_vars("sigma").to_dataframe().reset_index()
+    """A flat table, one row per flow (axes as columns, `sigma_0 …` for the singular values,
+    `digits_sigma_0 …` for their reproducible digits), as a pandas DataFrame; written as CSV,
+    or parquet when `path` ends in `.parquet`."""
+    per_value = [name for name in ds.data_vars if "k" in ds[name].dims]  # one column per k
+    frame = ds.drop_vars(per_value).drop_dims("k", errors="ignore").to_dataframe().reset_index()
     pending = ~frame["done"].to_numpy(dtype=bool)
     frame["status"] = frame["status"].where(~pending, int(Status.PENDING))
     labels = status_labels(frame["status"])
     frame.insert(frame.columns.get_loc("status") + 1, "status_label", labels)
-    sigma = ds["sigma"].values.reshape(-1, ds.sizes["k"])
-    for k in range(sigma.shape[1]):
-        frame[f"sigma_{k}"] = sigma[:, k]
+    for name in per_value:
+        values = ds[name].transpose(..., "k").values.reshape(-1, ds.sizes["k"])
+        for k in range(values.shape[1]):
+            frame[f"{name}_{k}"] = values[:, k]
     if path is not None:
         if str(path).endswith(".parquet"):
             try:
