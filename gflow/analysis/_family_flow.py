@@ -83,14 +83,15 @@ def _residual(depth, n, s, w, u):
 
 
 @functools.cache
-def _endpoint_program(depth: int, n: int, s: int, tol: float, max_steps: int):
+def _endpoint_program(tol: float, max_steps: int):
+    """One compiled program for every configuration: L and n enter as traced scalars."""
     import diffrax
     import jax
     import jax.numpy as jnp
 
     from ..engine._runge_kutta import STOPPED, integrate
 
-    def rates(y, sign):
+    def rates(y, sign, depth, n):
         u, log_r = y["u"], y["log_r"]
         kappa = _kappa(depth, n, u)
         r = sign * jnp.exp(log_r)
@@ -98,16 +99,20 @@ def _endpoint_program(depth: int, n: int, s: int, tol: float, max_steps: int):
         ahead = jnp.max(jnp.abs(du))  # ∫ of du/dτ = −λ^{L−2} r₀e^{−τ}/κ from τ to ∞, κ frozen
         return {"u": du, "log_r": -jnp.ones_like(log_r), "t": 1.0 / kappa}, ahead
 
-    def run(u0, log_r0, sign):
+    def run(u0, log_r0, sign, depth, n):
         y0 = {"u": u0, "log_r": log_r0, "t": jnp.zeros_like(log_r0)}
         common = dict(tableau=diffrax.Tsit5().tableau, order=5, rtol=tol, atol=tol, norm=_rms)
         # The plateau and the escape up to half the loss: ends exactly at τ = ½ ln 2.
         head = integrate(
-            lambda y: (rates(y, sign)[0], False), y0, _HALF_LOSS, max_steps=max_steps, **common
+            lambda y: (rates(y, sign, depth, n)[0], False),
+            y0,
+            _HALF_LOSS,
+            max_steps=max_steps,
+            **common,
         )
 
         def until_converged(y):
-            f, ahead = rates(y, sign)
+            f, ahead = rates(y, sign, depth, n)
             return f, ahead <= tol
 
         tail = integrate(
@@ -124,14 +129,15 @@ def _endpoint_program(depth: int, n: int, s: int, tol: float, max_steps: int):
 
 
 @functools.cache
-def _trajectory_program(depth: int, n: int, s: int, tol: float, max_steps: int):
+def _trajectory_program(tol: float, max_steps: int):
+    """One compiled program for every configuration and number of times of the same length."""
     import diffrax
     import jax
     import jax.numpy as jnp
 
     from ..engine._runge_kutta import integrate
 
-    def run(u0, ts, w):
+    def run(u0, ts, depth, n, s, w):
         def field(u):
             return -jnp.exp((depth - 2) * u) * _residual(depth, n, s, w, u), False
 
@@ -196,18 +202,18 @@ def family_flow(
     if r0 == 0.0:  # the initialisation fits the observations: it is its own endpoint
         u, t_end, t_half, converged, steps = u0, 0.0, 0.0, True, 0
     else:
-        program = _endpoint_program(depth, n, s, float(rtol), int(max_steps))
-        out = program(
-            jnp.asarray(u0), jnp.asarray(math.log(abs(r0))), jnp.asarray(math.copysign(1.0, r0))
-        )
+        program = _endpoint_program(float(rtol), int(max_steps))
+        scalars = (math.log(abs(r0)), math.copysign(1.0, r0), float(depth), float(n))
+        out = program(jnp.asarray(u0), *(jnp.asarray(x) for x in scalars))
         u, t_end, t_half, converged, steps = (np.asarray(x) for x in out)
     traj = None
     if ts is not None:
         ts = np.asarray(ts, dtype=np.float64)
         if ts.ndim != 1 or np.any(ts < 0) or np.any(np.diff(ts) < 0):
             raise ValueError("ts must be a 1-D array of increasing times >= 0")
-        program = _trajectory_program(depth, n, s, float(rtol), int(max_steps))
-        us, _ = program(jnp.asarray(u0), jnp.asarray(ts), w)
+        program = _trajectory_program(float(rtol), int(max_steps))
+        scalars = (float(depth), float(n), float(s), w)
+        us, _ = program(jnp.asarray(u0), jnp.asarray(ts), *(jnp.asarray(x) for x in scalars))
         log_c_ts = [log_c(t) for t in ts]
         traj = np.column_stack([np.asarray(us), log_c_ts])
     return FamilyFlow(
