@@ -79,6 +79,20 @@ def one_size(d: int, sgd_budget_s: float) -> dict:
         "work": r.work(),
         "top_singular_values": gflow.singular_values(r.model)[:TOP].tolist(),
     }
+    # The same flow with the Gram eigendecomposed (the preconditioner before `inverse`), side
+    # by side: the ratio of solve times, and how far apart the endpoints are.
+    eigh = gflow.flow(problem, init, gauss_newton="eigh")
+    top = np.asarray(row["top_singular_values"])
+    row["eigh"] = {
+        "status": eigh.status_label,
+        "solve_s": eigh.wall_time_s,
+        "steps": int(eigh.num_steps),
+        "linear_iters": int(eigh.num_linear_iters),
+        "factorizations": int(eigh.num_factorizations),
+        "sigma_max_relative_difference": float(
+            np.max(np.abs(gflow.singular_values(eigh.model)[:TOP] - top) / top)
+        ),
+    }
     row |= _sgd_at_matched_accuracy(problem, init, r, sgd_budget_s)
     row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return row

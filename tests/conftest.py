@@ -1,3 +1,5 @@
+import gc
+
 import numpy as np
 import pytest
 
@@ -7,3 +9,19 @@ import gflow  # noqa: F401  (switches JAX to float64 before any test builds arra
 @pytest.fixture(scope="session")
 def rng():
     return np.random.default_rng(20260301)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """A test module's compiled programs are released when it ends (its module-scoped
+    fixtures share them while it runs): every program holds hundreds of memory mappings, and
+    a session that kept all of them would pass Linux's per-process limit (see
+    gflow.engine._compile.MAX_LIVE_PROGRAMS)."""
+    yield
+    import jax
+
+    from gflow.engine import _compile
+
+    _compile._PROGRAMS.clear()
+    jax.clear_caches()
+    gc.collect()

@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+import gflow
 
 ARGV = [sys.executable, "-m", "gflow.cli", "run", "--depth", "3", "--alpha", "1e-3", "--json"]
 
@@ -68,3 +71,33 @@ def test_import_gflow_does_not_load_diffrax():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_live_programs_are_bounded_least_recently_used_first(monkeypatch):
+    """Each compiled program holds hundreds of memory mappings (Linux allows 65,530 a
+    process): only the `MAX_LIVE_PROGRAMS` most recently used stay alive; an evicted one
+    comes back from the persistent cache when it is needed again."""
+    import gc
+
+    from gflow.engine import _compile
+
+    def maps():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    monkeypatch.setattr(_compile, "MAX_LIVE_PROGRAMS", 2)
+    _compile._PROGRAMS.clear()
+    gc.collect()
+    before = maps()
+    runs = [gflow.flow(gflow.diagonal(d), gflow.identity_family(d, 2, 0.1, 4.0)) for d in (2, 3)]
+    two = maps()
+    for d in (4, 5, 6):
+        gflow.flow(gflow.diagonal(d), gflow.identity_family(d, 2, 0.1, 4.0))
+    gc.collect()
+    assert len(_compile._PROGRAMS) == 2
+    assert maps() - before < 1.5 * (two - before)  # five programs, the mappings of two
+    again = gflow.flow(gflow.diagonal(6), gflow.identity_family(6, 2, 0.1, 4.0))
+    assert again.compile_cache_hit is None  # still alive
+    first = gflow.flow(gflow.diagonal(2), gflow.identity_family(2, 2, 0.1, 4.0))
+    assert first.compile_cache_hit is not None  # evicted: loaded (or compiled) again
+    np.testing.assert_array_equal(first.model.product(), runs[0].model.product())

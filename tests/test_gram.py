@@ -53,11 +53,15 @@ def test_closed_form_gram_is_j_jt(case):
     assert np.all(gram[n:] == 0) and np.all(gram[:, n:] == 0)
 
 
+@pytest.mark.parametrize("factorization", _gram.FACTORIZATIONS)
 @pytest.mark.parametrize("shift", [1e-4, 1.0, 1e3])
-def test_preconditioner_is_the_woodbury_inverse(case, shift):
-    """apply(r) = (s·I + JᵀJ)⁻¹ r, J with frozen columns zeroed, at every shift."""
+def test_preconditioner_is_the_woodbury_inverse(case, shift, factorization):
+    """apply(r) = (s·I + JᵀJ)⁻¹ r, J with frozen columns zeroed: `eigh` at every shift from
+    one build, `inverse` at the shift it was built for."""
     problem, model, layer_mask, size = case
-    state = _gram.build(model, problem.mask, layer_mask, size)
+    state = _gram.build(model, problem.mask, layer_mask, size, 0.5, "eigh")
+    if factorization == "inverse":
+        state = _gram.build(model, problem.mask, layer_mask, size, shift, "inverse")
     jac = _dense_jacobian(model, problem, layer_mask)
     dense = shift * np.eye(jac.shape[1]) + jac.T @ jac
     flat, unravel = ravel_pytree(model)
@@ -66,11 +70,30 @@ def test_preconditioner_is_the_woodbury_inverse(case, shift):
     np.testing.assert_allclose(np.asarray(got), np.linalg.solve(dense, r), rtol=1e-9, atol=1e-12)
 
 
-def test_a_stale_preconditioner_is_still_symmetric_positive_definite(case):
+def test_an_inverse_preconditioner_at_another_shift_is_off_by_at_most_the_shift_ratio(case):
+    """Built at s₀ and applied at s, M⁻¹ has eigenvalues s₀/(s(s₀ + μ)) on range(Jᵀ) and 1/s
+    off it: M⁻¹(s·I + JᵀJ) has its spectrum between 1 and s₀/s."""
+    problem, model, layer_mask, size = case
+    jac = _dense_jacobian(model, problem, layer_mask)
+    flat, unravel = ravel_pytree(model)
+    s0 = 1.0
+    state = _gram.build(model, problem.mask, layer_mask, size, s0, "inverse")
+    apply = jax.jit(lambda s, v: ravel_pytree(_gram.apply(state, s, unravel(v)))[0])
+    for shift in (0.1, 10.0):
+        inverse = np.asarray(jax.vmap(lambda v, s=shift: apply(s, v))(jnp.eye(flat.size))).T
+        product = inverse @ (shift * np.eye(flat.size) + jac.T @ jac)
+        eig = np.sort(np.linalg.eigvals(product).real)
+        low, high = sorted((1.0, s0 / shift))
+        assert eig.min() > low * (1 - 1e-9) and eig.max() < high * (1 + 1e-9)
+        assert high / low > 9  # both ends are reached: it is a real approximation
+
+
+@pytest.mark.parametrize("factorization", _gram.FACTORIZATIONS)
+def test_a_stale_preconditioner_is_still_symmetric_positive_definite(case, factorization):
     """Built at one point, applied with any shift: the map CG sees stays SPD."""
     problem, model, layer_mask, size = case
-    stale = gflow.gaussian([6, 4, 3, 5], 0.3, key=7)
-    state = _gram.build(gflow.pad_depth(stale, 4), problem.mask, layer_mask, size)
+    stale = gflow.pad_depth(gflow.gaussian([6, 4, 3, 5], 0.3, key=7), 4)
+    state = _gram.build(stale, problem.mask, layer_mask, size, 1e-2, factorization)
     flat, unravel = ravel_pytree(model)
     apply = jax.jit(lambda s, v: ravel_pytree(_gram.apply(state, s, unravel(v)))[0])
     for shift in (1e-6, 1e-2, 10.0):
@@ -106,6 +129,10 @@ def test_gauss_newton_tail_lands_on_the_dense_endpoint(cg_case):
     # Never more Hessian-vector products than the spectral sketch (at d = 50 it takes 12× fewer:
     # benchmarks/README, `scale`); here both need about three per stage.
     assert work["stiff tail"]["linear_iters"] <= spectral.work()["stiff tail"]["linear_iters"]
+    eigh = gflow.flow(problem, init, gauss_newton="eigh")
+    np.testing.assert_allclose(
+        np.asarray(flow.model.product()), np.asarray(eigh.model.product()), atol=1e-9
+    )
 
 
 def test_work_table_adds_up(cg_case):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +89,13 @@ def fields_of(config) -> tuple:
     return tuple((f.name, getattr(config, f.name)) for f in dataclasses.fields(config))
 
 
-_PROGRAMS: dict = {}
+# Compiled programs kept alive in this process, least recently used first. Each holds its
+# machine code in ~500–1,000 memory mappings, and Linux allows a process 65,530 of them
+# (vm.max_map_count): a process that kept every program (a long sweep of shape groups, a
+# test session, `gflow reproduce --full`) would crash in XLA once past ~100 programs. An
+# evicted program that is needed again comes back from the persistent cache.
+MAX_LIVE_PROGRAMS = 32
+_PROGRAMS: OrderedDict = OrderedDict()
 
 
 def program(kind: str, config, args, make_fn, *, extra=(), out_like=None, remember=True):
@@ -107,6 +114,7 @@ def program(kind: str, config, args, make_fn, *, extra=(), out_like=None, rememb
     )
     hit = _PROGRAMS.get(key) if remember else None
     if hit is not None:
+        _PROGRAMS.move_to_end(key)
         return hit, ALREADY_COMPILED
     file_key = repr((kind, fields_of(config), extra)) if remember else None
     # `make_fn` is called only if the program is traced: a program loaded from the cache
@@ -116,6 +124,8 @@ def program(kind: str, config, args, make_fn, *, extra=(), out_like=None, rememb
     )
     if remember:
         _PROGRAMS[key] = compiled
+        while len(_PROGRAMS) > MAX_LIVE_PROGRAMS:
+            _PROGRAMS.popitem(last=False)
     return compiled, compile_time
 
 

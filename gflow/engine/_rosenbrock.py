@@ -167,11 +167,12 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       Hessian of a flow's tail changes slowly; a stale preconditioner costs iterations, never
       accuracy).
     - `preconditioner`: in place of the spectral one, a structured preconditioner with
-      `init(y, args)`, `build(y, args)` (its state at y) and `apply(state, shift, r)` (an
-      SPD approximation of (shift·I − J)⁻¹ on the active entries' tree), e.g. the
-      Gauss–Newton one of `_gram`. It is built at the first step and rebuilt once the CG
-      iterations beyond those of the first step after the last build add up to its
-      `refresh_budget` (a rebuild then costs about what its staleness has cost).
+      `init(y, args)`, `build(y, args, shift)` (its state at y, for the step's shift) and
+      `apply(state, shift, r)` (an SPD approximation of (shift·I − J)⁻¹ on the active
+      entries' tree), e.g. the Gauss–Newton one of `_gram`. It is built at the first step
+      and rebuilt once the CG iterations beyond those of the first step after the last build
+      add up to its `refresh_budget` (a rebuild then costs about what its staleness has
+      cost).
     - `batch_axis`: under `jax.vmap(..., axis_name=batch_axis)`, the batch rebuilds the
       preconditioner together (a real branch, not a per-member select that would build it
       at every step).
@@ -285,7 +286,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                     rebuild = jax.lax.psum(rebuild.astype(jnp.int32), self.batch_axis) > 0
                 structured = jax.lax.cond(
                     rebuild,
-                    lambda: self.preconditioner.build(y0, args),
+                    lambda: self.preconditioner.build(y0, args, shift),
                     lambda: solver_state["structured"],
                 )
                 new_state["structured"] = structured

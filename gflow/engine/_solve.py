@@ -200,7 +200,7 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
     energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖²."""
     structured = None
     if options.preconditioner == "gauss-newton" and observed is not None:
-        structured = GaussNewtonPreconditioner(observed)
+        structured = GaussNewtonPreconditioner(observed, options.gauss_newton)
     stiff = Rodas4(
         preconditioner=structured,
         preconditioner_rank=0 if options.preconditioner == "none" else 64,
