@@ -28,11 +28,6 @@ def digits_table(sens) -> str:
     return markdown_table(["quantity", "value", "spread", "reproducible digits"], cells)
 
 
-def _digits(sens, name):
-    """The reproducible digits of one quantity; None where a member did not converge."""
-    return sens.digits.get(name)
-
-
 def claim_digits(size, facts) -> dict:
     """Reproducible digits of the endpoint number behind each claim row; None where a flow
     behind it (or a perturbed rerun) did not converge. The rank claims read them from their
@@ -52,19 +47,19 @@ def claim_digits(size, facts) -> dict:
     dxd = size["dxd"]
     problem, _ = dxd_problem(dxd, extra=dxd - 1, seed=0)
     connected = sens(problem, gflow.identity_family(dxd, 2, 1e-3, 4.0))
-    out["connected_L2"] = _digits(connected, "stable_rank")
+    out["connected_L2"] = connected.digits.get("stable_rank")
     for depth in (2, 3):
         init = gflow.identity_family(dxd, depth, 0.1, 4.0)
         pre = gflow.flow(problem.with_mask(np.eye(dxd)), init, options)
         warm = sens(problem, pre.model) if pre.status_label == "converged" else None
-        out[f"warm_L{depth}"] = None if warm is None else _digits(warm, "stable_rank")
-        out[f"cold_L{depth}"] = _digits(sens(problem, init), "stable_rank")
+        out[f"warm_L{depth}"] = None if warm is None else warm.digits.get("stable_rank")
+        out[f"cold_L{depth}"] = sens(problem, init).digits.get("stable_rank")
     problem, pretrain_mask = two_by_two_problem()
     init = gflow.identity_family(2, 3, 0.1, math.inf)
     pre = gflow.flow(problem.with_mask(pretrain_mask), init, options)
     x21 = lambda model: {"x21": float(np.asarray(model.product())[1, 0])}
     warm = sens(problem, pre.model, measure=x21) if pre.status_label == "converged" else None
-    out["x21_L3"] = None if warm is None else _digits(warm, "x21")
+    out["x21_L3"] = None if warm is None else warm.digits.get("x21")
     return out
 
 
