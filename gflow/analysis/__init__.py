@@ -28,6 +28,7 @@ from ._measures import family_spectrum as family_spectrum
 from ._measures import nuclear_norm as nuclear_norm
 from ._measures import singular_values as singular_values
 from ._measures import stable_rank as stable_rank
+from ._measures import stable_rank_excess_of as stable_rank_excess_of
 from ._measures import stable_rank_of as stable_rank_of
 from ._measures import unobserved_error as unobserved_error
 from ._sensitivity import Sensitivity as Sensitivity
@@ -81,6 +82,7 @@ __all__ = [
     "sigma_c_at",
     "singular_values",
     "stable_rank",
+    "stable_rank_excess_of",
     "stable_rank_of",
     "trajectory_coupling",
     "trajectory_models",

@@ -163,12 +163,11 @@ def _trajectory_program(tol: float, max_steps: int):
 
 
 def _rms(tree):
-    import jax
     import jax.numpy as jnp
 
-    leaves = [jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)]
-    x = jnp.concatenate(leaves)
-    return jnp.sqrt(jnp.mean(x**2))
+    from ..engine._dynamics import flatten
+
+    return jnp.sqrt(jnp.mean(flatten(tree) ** 2))
 
 
 def family_flow(

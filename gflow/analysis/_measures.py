@@ -33,6 +33,15 @@ def stable_rank_of(sigma) -> float:
     return float(np.sum((sigma / sigma[0]) ** 2))
 
 
+def stable_rank_excess_of(sigma) -> float:
+    """stable rank − 1 = Σ_{i≥2} (σ_i/σ₁)², summed directly: `stable_rank_of(σ) − 1` loses it
+    to rounding once it is below ~1e-15. NaN for a zero matrix, like `stable_rank_of`."""
+    sigma = np.asarray(sigma, dtype=np.float64)
+    if sigma.size == 0 or sigma[0] == 0:
+        return float("nan")
+    return float(np.sum((sigma[1:] / sigma[0]) ** 2))
+
+
 def effective_rank(x) -> float:
     """exp(−Σ p_i ln p_i), p_i = σ_i/Σσ_j (Roy & Vetterli 2007); 0·ln 0 = 0, no ε."""
     return effective_rank_of(singular_values(x))

@@ -19,6 +19,7 @@ from ._measures import (
     effective_rank_of,
     family_spectrum,
     singular_values,
+    stable_rank_excess_of,
     stable_rank_of,
     unobserved_error,
 )
@@ -113,11 +114,11 @@ def perturb(model, eps: float, key):
     """`model` with every layer W_l + ε·RMS(θ)·ξ_l, ξ_l standard normal: a perturbation of
     relative size ε that leaves every invariant set of the initialisation."""
     import jax
-    import jax.numpy as jnp
 
+    from ..engine._dynamics import flatten, rms
     from ..model import Factorization
 
-    scale = jnp.sqrt(jnp.mean(jnp.concatenate([jnp.ravel(w) ** 2 for w in model.layers])))
+    scale = rms(flatten(model), model, None)
     keys = jax.random.split(key, model.depth)
     return Factorization(
         [
@@ -134,8 +135,7 @@ def endpoint_quantities(model, problem, *, top: int = 5, family=None) -> dict[st
     sigma = np.asarray(singular_values(model))
     out = {f"sigma_{i + 1}": float(sigma[i]) for i in range(min(top, sigma.size))}
     out["stable_rank"] = stable_rank_of(sigma)
-    # srank − 1 summed directly: its digits are lost in `stable_rank` once it is below ~1e-15
-    out["stable_rank_excess"] = float(np.sum((sigma[1:] / sigma[0]) ** 2)) if sigma[0] else 0.0
+    out["stable_rank_excess"] = stable_rank_excess_of(sigma)
     out["effective_rank"] = effective_rank_of(sigma)
     out["unobserved_error"] = unobserved_error(model, problem)["abs"]
     if family is not None:

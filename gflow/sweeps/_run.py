@@ -12,6 +12,7 @@ from ..analysis import (
     effective_rank_of,
     family_spectrum,
     reproducible_digits,
+    stable_rank_excess_of,
     stable_rank_of,
 )
 from ..analysis._sensitivity import perturb
@@ -100,8 +101,7 @@ def _endpoints(spec: SweepSpec, chosen: list[dict], result, n: int) -> dict[str,
     out["sigma"][:, :top] = sigma[:, :top]
     out["stable_rank"] = np.array([stable_rank_of(s) for s in sigma])
     out["effective_rank"] = np.array([effective_rank_of(s) for s in sigma])
-    # srank − 1 summed directly (`stable_rank` loses it below ~1e-15); kept for the digits
-    out["_stable_rank_excess"] = np.sum((sigma[:, 1:] / sigma[:, :1]) ** 2, axis=1)
+    out["_stable_rank_excess"] = np.array([stable_rank_excess_of(s) for s in sigma])
     if spec.init == "identity" and spec.problem != "bernoulli":
         n_blocks = [p["dim"] if spec.problem == "diagonal" else p["blocks"] for p in chosen]
         s_blocks = [1 if spec.problem == "diagonal" else p["block_size"] for p in chosen]
