@@ -18,6 +18,7 @@ from .analysis import *  # noqa: F403  (the analysis functions stay at the top l
 from .descent import OPTIMIZERS as OPTIMIZERS
 from .descent import DescentOptions as DescentOptions
 from .descent import descend as descend
+from .descent import descend_batch as descend_batch
 from .descent import endpoint_distance as endpoint_distance
 from .descent import loglog_slope as loglog_slope
 from .engine import FlowOptions as FlowOptions
@@ -74,6 +75,7 @@ __all__ = [
     "DescentOptions",
     "OPTIMIZERS",
     "descend",
+    "descend_batch",
     "endpoint_distance",
     "loglog_slope",
     # analysis and sweeps (also as gflow.analysis, gflow.sweeps)

@@ -42,6 +42,8 @@ class DescentOptions:
     - `rtol`, `atol`: the stopping rule of `flow` (remaining displacement within tolerance).
     - `save_every`: record loss and singular values every this many steps (0: never);
       `save_layers` keeps the layers too; at most `max_saves` records.
+    - `stop_loss`: stop early, with status `loss_reached`, at the first iterate whose loss is
+      at most this fraction of the initial loss (`None`: no early stop).
     """
 
     optimizer: str | optax.GradientTransformation = "sgd"
@@ -54,6 +56,7 @@ class DescentOptions:
     save_layers: bool = False
     max_saves: int = 256
     divergence_bound: float = 1e100
+    stop_loss: float | None = None
 
     def __post_init__(self):
         if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZERS:
@@ -68,6 +71,8 @@ class DescentOptions:
             raise ValueError(f"rtol must lie in (0, 1), got {self.rtol}")
         if not (isinstance(self.save_every, int) and self.save_every >= 0):
             raise ValueError("save_every must be a non-negative integer")
+        if self.stop_loss is not None and not (0 < self.stop_loss < 1):
+            raise ValueError(f"stop_loss must lie in (0, 1), got {self.stop_loss}")
 
     def transformation(self, lr=None) -> optax.GradientTransformation:
         """The optax transformation; `lr` (possibly traced) overrides `self.lr`."""
@@ -112,6 +117,9 @@ def descend_solve(
             lambda buf, v: buf.at[slot].set(jnp.where(write, v, buf[slot])), buffers, new
         )
 
+    def early_stop(loss):
+        return False if options.stop_loss is None else loss <= options.stop_loss * loss0
+
     def cond(state):
         return state["status"] < 0
 
@@ -123,6 +131,7 @@ def descend_solve(
         status = select_status(
             [
                 (is_diverged(params, problem, options.divergence_bound), Status.DIVERGED),
+                (early_stop(loss), Status.LOSS_REACHED),
                 (ratio <= 1.0, Status.CONVERGED),
                 (out_of_time & (k >= options.max_steps), Status.MAX_STEPS),
                 (out_of_time, Status.T_MAX),
@@ -218,6 +227,37 @@ def descend(
     start = time.perf_counter()
     result = compiled(problem, model, jnp.asarray(options.lr, model.layers[0].dtype))
     jax.block_until_ready(result)
+    return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
+
+
+def descend_batch(
+    problem: Problem, model: Factorization, options: DescentOptions, lr=None
+) -> FlowResult:
+    """`descend` for a batch, in one compiled, vmapped program: `model` batched (leading axis
+    on every layer, e.g. from `gflow.stack`), `problem` shared or batched, `lr` one learning
+    rate per member (default `options.lr` for all). Each member has its own status; the batch
+    runs until its last member stops."""
+    import dataclasses
+
+    if model.layers[0].ndim != 3:
+        raise ValueError("descend_batch needs a batched model (layers of shape (batch, d, d))")
+    size = model.layers[0].shape[0]
+    dtype = model.layers[0].dtype
+    lr = jnp.full((size,), options.lr, dtype) if lr is None else jnp.asarray(lr, dtype)
+    if lr.shape != (size,) or not bool(jnp.all((lr > 0) & jnp.isfinite(lr))):
+        raise ValueError(f"lr must hold {size} finite learning rates > 0, got shape {lr.shape}")
+    in_axes = (0 if problem.target.ndim == 3 else None, 0, 0)
+    compiled, compile_time = program(
+        "descend-batch",
+        dataclasses.replace(options, lr=1.0),
+        (problem, model, lr),
+        lambda: jax.vmap(lambda p, m, r: descend_solve(p, m, options, r), in_axes=in_axes),
+        extra=(in_axes,),
+        out_like=None if options.save_every else FlowResult.skeleton(model),
+        remember=isinstance(options.optimizer, str),
+    )
+    start = time.perf_counter()
+    result = jax.block_until_ready(compiled(problem, model, lr))
     return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
 
 

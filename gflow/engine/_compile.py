@@ -71,7 +71,7 @@ class CompileTime:
 ALREADY_COMPILED = CompileTime(0.0, None)
 
 
-_COUNTS = {"flow": 0, "flow-tail": 0, "descend": 0}
+_COUNTS = {"flow": 0, "flow-tail": 0, "descend": 0, "descend-batch": 0}
 
 
 def compile_count(kind: str = "flow") -> int:

@@ -194,6 +194,8 @@ def flow_batch(
     problem: Problem,
     model: Factorization,
     options: FlowOptions | None = None,
+    *,
+    tails: str = "batch",
     **kwargs,
 ) -> FlowResult:
     """Integrate a batch of flows in one compiled, vmapped program.
@@ -203,7 +205,15 @@ def flow_batch(
     `FlowResult` has the batch axis in front; each member has its own status, so one diverging
     member never stops the others. Under `vmap` a batch costs about (slowest member's steps) ×
     (batch size): group members of similar flow length.
+
+    `tails`: `batch` (default) runs the stiff tails of `solver="auto"` inside the batch;
+    `apart` finishes each member that reaches its tail alone after the batch (as sweeps do),
+    so the batch costs the sum of its members' tails, not its stiffest tail times its size.
+    Same endpoints either way. `wall_time_s` then covers the tails, and `compile_time_s` the
+    batch's program only.
     """
+    if tails not in ("batch", "apart"):
+        raise ValueError(f"unknown tails {tails!r}; choose from ('batch', 'apart')")
     if options is None:
         options = FlowOptions(**kwargs)
     elif kwargs:
@@ -217,8 +227,11 @@ def flow_batch(
             f"problem's {problem.target.shape[-2:]}"
         )
     in_axes = (0 if batched_problem else None, 0)
-    compiled, compile_time = _compiled_solver(problem, model, options, in_axes)
+    apart = tails == "apart" and options.stiff_tail
+    compiled, compile_time = _compiled_solver(problem, model, options, in_axes, defer_tail=apart)
     start = time.perf_counter()
     result = compiled(problem, model)
+    if apart:
+        result = finish_tails(problem, model, result, options)
     jax.block_until_ready(result)
     return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)

@@ -71,6 +71,10 @@ class FlowOptions(eqx.Module):
       inverse at the shift of the step that builds it, ~5× cheaper to form; d = 100 random
       mask: 2× faster solve) or `eigh` (serves every shift).
     - `divergence_bound`: |θ_i| above this counts as diverged.
+    - `stop_loss`: stop early, with status `loss_reached`, where the loss has fallen to this
+      fraction of its initial value (in (0, 1); `None`: run to the limit). The flow runs on
+      the loss clock, on which the loss is exactly loss(0)·e^{−2τ}, so the stop lands on that
+      loss to the integration tolerance; a flow that converges first reports `converged`.
     - `dt`: the fixed step of `solver="euler"` (explicit Euler is gradient descent with
       learning rate dt: a reference for `descend`).
     - `save_ts`: explicit physical times to sample; the trajectory then holds exactly these
@@ -93,6 +97,7 @@ class FlowOptions(eqx.Module):
     gauss_newton: str = "inverse"
     divergence_bound: float = 1e100
     dt: float | None = None
+    stop_loss: float | None = None
     save_ts: tuple[float, ...] | None = eqx.field(default=None, converter=_times)
 
     def __check_init__(self):
@@ -143,6 +148,14 @@ class FlowOptions(eqx.Module):
             raise ValueError(
                 f"explicit_steps must be a positive integer, got {self.explicit_steps}"
             )
+        if self.stop_loss is not None:
+            if not (0 < self.stop_loss < 1):
+                raise ValueError(f"stop_loss must lie in (0, 1), got {self.stop_loss}")
+            if self.clock_in_use == "physical":
+                raise ValueError(
+                    "stop_loss runs on the loss clock: it cannot be combined with "
+                    "clock='physical', save_ts or fixed steps"
+                )
         if not (0 < self.loss_clock_until < 1):
             raise ValueError(f"loss_clock_until must lie in (0, 1), got {self.loss_clock_until}")
         if not (isinstance(self.save, int) and self.save >= 0):

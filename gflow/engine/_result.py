@@ -26,6 +26,9 @@ class Status(enum.IntEnum):
     """The state, loss or gradient left the float range, or |θ| exceeded the bound."""
     FAILED = 4
     """The solver failed for another reason (e.g. a nonlinear solve in an implicit step)."""
+    LOSS_REACHED = 5
+    """An early stop: the loss fell to `stop_loss` × its initial value (`FlowOptions`,
+    `DescentOptions`). Not an endpoint of the flow."""
     PENDING = -1
     """Not computed yet: a sweep point whose chunk has not been written, or a flow solved with
     `defer_tail=True` whose stiff tail is still to run (`flow` never returns this)."""
@@ -83,6 +86,7 @@ def status_message(status: int, end_phase: int, code: int) -> str:
         Status.T_MAX: "the time horizon t_max was reached before convergence",
         Status.MAX_STEPS: "the step budget max_steps ran out before convergence",
         Status.DIVERGED: "the state, loss or gradient left the float range or the bound",
+        Status.LOSS_REACHED: "stopped early where the loss fell to stop_loss × its initial value",
     }
     return f"{label} {where}: {reasons[Status(int(status))]}"
 

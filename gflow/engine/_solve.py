@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import diffrax
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +25,7 @@ from ._dynamics import MaskedRMS, loss_time_scale, masked_loss_and_gradient, phy
 from ._gram import GaussNewtonPreconditioner
 from ._options import FlowOptions, solver_class
 from ._phases import (
+    CONTINUE,
     FiniteErrorPID,
     PhaseRun,
     Setup,
@@ -79,11 +81,22 @@ def solve(
         y0,
         tau_switch,
         _dt0(options),
-        options.max_steps,
+        _loss_clock_steps(options),
         n1,
         options.lean,
     )
     finished = use_loss_clock & (first.status >= 0)  # the loss clock ended the solve
+    if options.clock == "auto" and options.stop_loss is None:
+        # A loss clock out of steps stalled on a later plateau (a saddle after the first
+        # escape, where it is stiff): physical time, with its stiff tail, goes on from there.
+        finished = finished & (first.status != Status.MAX_STEPS)
+    if options.stop_loss is not None:  # the loss clock ran to the early stop, or ended first
+        first = eqx.tree_at(
+            lambda r: r.status,
+            first,
+            jnp.where(first.status == CONTINUE, Status.LOSS_REACHED, first.status),
+        )
+        finished = jnp.asarray(True)
     t_switch = first.y["t"]
     explicit = physical_phase(
         setup,
@@ -225,6 +238,18 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
     return {"loss clock": loss_clock, "explicit": explicit, "stiff": stiff}
 
 
+# The loss clock's step budget under `clock="auto"`, in units of `explicit_steps`: crossing
+# the plateau of a small init takes it hundreds of steps; a loss clock still running after
+# this many has stalled on a saddle between plateaus and hands over to physical time.
+LOSS_CLOCK_STEPS = 10
+
+
+def _loss_clock_steps(options: FlowOptions) -> int:
+    if options.clock == "auto" and options.stop_loss is None:
+        return min(options.max_steps, LOSS_CLOCK_STEPS * options.explicit_steps)
+    return options.max_steps
+
+
 def _dt0(options: FlowOptions):
     return options.dt if options.fixed_step else None
 
@@ -237,6 +262,8 @@ def _loss_clock_span(problem, model, options: FlowOptions, depth, loss0, g0):
     target_scale = jnp.max(jnp.abs(problem.mask * problem.target))
     h_ref = 1.0 / (depth * jnp.maximum(target_scale, 1e-300) ** (2.0 - 2.0 / depth))
     clock = options.clock_in_use
+    if options.stop_loss is not None:  # the loss clock to exactly loss(0)·stop_loss
+        return jnp.asarray(True), jnp.asarray(0.5 * math.log(1.0 / options.stop_loss))
     if clock == "physical":
         use = jnp.asarray(False)
     elif clock == "loss":
