@@ -239,3 +239,28 @@ def test_auto_matches_kvaerno5_reference(d, depth, alpha, density, linear_solver
     for run in (auto, default):
         err = gflow.endpoint_distance(run, reference, problem, top=top)["singular_values"]
         assert err <= 1e-6, err
+
+
+def test_a_loss_clock_stalled_on_a_second_plateau_hands_over_to_physical_time():
+    """σ = (3, 0.5) from α = 1e-2 at depth 4: the second component still holds 2.7% of the
+    loss, so the loss clock meets its plateau before its handover and stalls there (stiff).
+    Out of its own budget (10 × explicit_steps) it hands over; the endpoint is the physical
+    clock's. Out of the user's `max_steps` it still ends the solve."""
+    import jax
+
+    d = 4
+    u = np.asarray(jax.random.normal(jax.random.key(0), (d, 2)))
+    _, v = np.linalg.eigh(u @ u.T)
+    problem = gflow.Problem(v @ np.diag([0.0, 0.0, 0.5, 3.0]) @ v.T, np.ones((d, d)))
+    init = gflow.gaussian([d] * 5, 1e-2, jax.random.key(10))
+    r = gflow.flow(problem, init)
+    work = r.work()
+    assert r.status_label == "converged"
+    assert work["loss clock"]["steps"] == 20_000 and "stiff tail" in work
+    physical = gflow.flow(problem, init, clock="physical")
+    assert physical.status_label == "converged"
+    np.testing.assert_allclose(
+        gflow.singular_values(r.model)[:2], gflow.singular_values(physical.model)[:2], rtol=1e-8
+    )
+    capped = gflow.flow(problem, init, max_steps=20_000)
+    assert capped.status_label == "max_steps" and capped.end_phase == gflow.Phase.LOSS_CLOCK

@@ -86,9 +86,10 @@ def solve(
         options.lean,
     )
     finished = use_loss_clock & (first.status >= 0)  # the loss clock ended the solve
-    if options.clock == "auto" and options.stop_loss is None:
-        # A loss clock out of steps stalled on a later plateau (a saddle after the first
-        # escape, where it is stiff): physical time, with its stiff tail, goes on from there.
+    if _loss_clock_steps(options) < options.max_steps:
+        # A loss clock out of its own steps stalled on a later plateau (a saddle after the
+        # first escape, where it is stiff): physical time, with its stiff tail, goes on from
+        # there. (Out of the user's `max_steps`, it ends the solve as before.)
         finished = finished & (first.status != Status.MAX_STEPS)
     if options.stop_loss is not None:  # the loss clock ran to the early stop, or ended first
         first = eqx.tree_at(
