@@ -340,6 +340,65 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_plasticity_map(args) -> int:
+    import dataclasses
+
+    from .studies import _plasticity_map as pm
+    from .studies._plasticity_verdicts import (
+        claim_summary,
+        descent_disagreements,
+        plasticity_endpoints,
+        plasticity_verdicts,
+        plot_deficit,
+    )
+
+    changes = {
+        name: tuple(value)
+        for name, value in (
+            ("depths", args.depths),
+            ("alphas", args.alphas),
+            ("inits", args.inits),
+            ("subsets", args.subsets),
+            ("seeds", args.seeds),
+            ("sgd_lrs", args.sgd_lrs),
+        )
+        if value is not None
+    }
+    if args.no_sgd:
+        changes["sgd_lrs"] = ()
+    for name in ("dim", "observed", "rank"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    try:
+        spec = dataclasses.replace(pm.PRESETS[args.preset], **changes)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    out = args.out or f"plasticity_map-{args.preset}.zarr"
+    try:
+        ds = pm.plasticity_map(spec, out, resume=args.resume, progress=not args.quiet)
+    except (FileExistsError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    rows = plasticity_verdicts(ds)
+    summary = {
+        "out": out,
+        "endpoints": int(plasticity_endpoints(ds).sum()),
+        "cell_seeds": int(plasticity_endpoints(ds).size),
+        "claim": claim_summary(rows),
+        "descent_disagreements": len(descent_disagreements(ds)),
+    }
+    if args.figure:
+        import matplotlib.pyplot as plt
+
+        fig = plot_deficit(ds)
+        fig.savefig(args.figure, dpi=110)
+        plt.close(fig)
+        summary["figure"] = args.figure
+    if args.json:
+        summary["cells"] = rows
+    print(json.dumps(_jsonable(summary)))
+    return 0
+
+
 def cmd_reproduce(args) -> int:
     from .studies._reproduce import reproduce
 
@@ -402,6 +461,33 @@ def make_parser() -> argparse.ArgumentParser:
     plast.add_argument("--seed", type=int, default=0)
     plast.add_argument("--json", action="store_true")
     plast.set_defaults(func=cmd_plasticity)
+    pmap = sub.add_parser(
+        "plasticity-map",
+        help="where depth protects plasticity: warm vs cold over depth, α, init, Ω₁ (zarr store)",
+    )
+    pmap.add_argument(
+        "--preset",
+        choices=["small", "report", "default", "full"],
+        default="default",
+        help="grid size (default: default, ~10 min on 2 cores; full: the issue's whole map, "
+        "hours to days on a CPU)",
+    )
+    pmap.add_argument("--out", help="zarr store (default plasticity_map-PRESET.zarr)")
+    pmap.add_argument("--resume", action="store_true", help="continue an interrupted store")
+    pmap.add_argument("--depths", type=int, nargs="+")
+    pmap.add_argument("--alphas", type=float, nargs="+")
+    pmap.add_argument("--inits", nargs="+", choices=["gaussian", "identity"])
+    pmap.add_argument("--subsets", nargs="+", help="diagonal, blocks, random-Q (0 < Q < 1)")
+    pmap.add_argument("--seeds", type=int, nargs="+")
+    pmap.add_argument("--dim", type=int)
+    pmap.add_argument("--observed", type=int, help="|Ω₂|, the diagonal included")
+    pmap.add_argument("--rank", type=int)
+    pmap.add_argument("--sgd-lrs", type=float, nargs="+", help="η on the mean loss")
+    pmap.add_argument("--no-sgd", action="store_true", help="the flow only")
+    pmap.add_argument("--figure", help="write the heatmaps (PNG) here")
+    pmap.add_argument("--json", action="store_true", help="also print every cell's verdict")
+    pmap.add_argument("--quiet", action="store_true", help="no progress bar")
+    pmap.set_defaults(func=cmd_plasticity_map)
     sweep = sub.add_parser("sweep", help="a grid of flows into a resumable zarr store")
     sweep.add_argument("config", nargs="?", help="sweep config (TOML); see --example")
     sweep.add_argument("--out", help="zarr store path (default: CONFIG name + .zarr)")

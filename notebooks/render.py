@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RENDERED = HERE / "rendered"
-NOTEBOOKS = ["01_quickstart", "02_depth_and_rank", "flow_vs_gd", "plasticity"]
+NOTEBOOKS = ["01_quickstart", "02_depth_and_rank", "flow_vs_gd", "plasticity", "plasticity_map"]
 
 
 def source_sha256(name: str) -> str:

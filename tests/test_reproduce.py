@@ -57,18 +57,35 @@ def test_report_files(report):
     assert sum(line.count("✓") for line in table) >= 12
     assert not any("✗" in line for line in table)
     html = (report / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 6
+    assert html.count("data:image/png;base64,") == 8
     for name in [
         "fig1_identity_family_rank.png",
         "fig2_random_init_rank.png",
         "fig3_spectra.png",
         "fig4_plasticity.png",
+        "fig4b_plasticity_map.png",
+        "fig4c_plasticity_map_sgd.png",
         "fig5_flow_vs_sgd.png",
         "fig6_digits.png",
         "identity_family.csv",
     ]:
         assert (report / name).stat().st_size > 1000, name
     assert (report / "identity_family.zarr").is_dir()
+    assert (report / "plasticity_map.zarr").is_dir()
+
+
+def test_the_report_holds_the_plasticity_map_and_its_verdicts(report):
+    facts = json.loads((report / "facts.json").read_text())["plasticity_map"]
+    assert facts["preset"] == "small" and facts["endpoints"] > 0
+    summary = facts["summary"]
+    assert sum(summary.values()) == len(facts["cells"])
+    judged = [c for c in facts["cells"] if c["verdict"] in ("holds", "fails")]
+    assert judged and all(c["depth"] >= 3 and c["coupled"] == "coupled" for c in judged)
+    md = (report / "report.md").read_text()
+    assert "## Plasticity map: the exact flow" in md
+    assert "**Claim: depth ≥ 3 protects plasticity when pretraining is coupled**" in md
+    assert f"holds in {summary['holds']}, fails in {summary['fails']}" in md
+    assert "## Plasticity map: gradient descent beside the flow" in md
 
 
 @pytest.mark.parametrize("name", ["01_quickstart", "02_depth_and_rank"])

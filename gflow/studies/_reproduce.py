@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ._digits_section import claim_digits, digits_section
+from ._plasticity_map_section import plasticity_map_sections
 from ._rank_sections import (
     _random_init_panel,
     coupling_section,
@@ -52,6 +53,7 @@ SIZES = {
         lrs=(0.04, 0.02, 0.01),
         sensitivity=2,
         sensitivity_eps=1e-14,
+        plasticity_map="small",
     ),
     "default": dict(
         depths=(2, 3, 4, 5, 6),
@@ -67,6 +69,7 @@ SIZES = {
         lrs=(0.04, 0.02, 0.01, 0.005),
         sensitivity=4,
         sensitivity_eps=1e-14,
+        plasticity_map="report",
     ),
     "full": dict(
         depths=(2, 3, 4, 5, 6),
@@ -82,6 +85,7 @@ SIZES = {
         lrs=(0.08, 0.04, 0.02, 0.01, 0.005),
         sensitivity=8,
         sensitivity_eps=1e-14,
+        plasticity_map="full",
     ),
 }
 
@@ -101,7 +105,7 @@ def reproduce(out="gflow-report", mode="default", progress=True) -> dict:
 
         shutil.rmtree(stale)
     start = time.perf_counter()
-    bar = tqdm(total=9, desc=f"gflow reproduce ({mode})", unit="stage", disable=not progress)
+    bar = tqdm(total=10, desc=f"gflow reproduce ({mode})", unit="stage", disable=not progress)
     stage = lambda name: bar.set_description_str(f"gflow reproduce ({mode}): {name}")
     facts = {}
     sections = []
@@ -119,6 +123,10 @@ def reproduce(out="gflow-report", mode="default", progress=True) -> dict:
     stage("plasticity (2×2 curves, d×d warm vs cold)")
     sec, facts["plasticity"] = plasticity_section(size, out, bar)
     sections.append(sec)
+    stage("plasticity map (depth × α × init × Ω₁)")
+    secs, facts["plasticity_map"] = plasticity_map_sections(size["plasticity_map"], out)
+    sections += secs
+    bar.update(1)
     stage("SGD and Adam against the flow")
     sec, facts["descent"] = descent_section(size, out, bar)
     sections.append(sec)
