@@ -469,8 +469,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--preset",
         choices=["small", "report", "default", "full"],
         default="default",
-        help="grid size (default: default, ~10 min on 2 cores; full: the issue's whole map, "
-        "hours to days on a CPU)",
+        help="grid size: small (tests, ~1 min), report (the default report's, ~1 min), default "
+        "(~40 min on 2 cores), full (the whole grid: days on a CPU)",
     )
     pmap.add_argument("--out", help="zarr store (default plasticity_map-PRESET.zarr)")
     pmap.add_argument("--resume", action="store_true", help="continue an interrupted store")
