@@ -189,7 +189,8 @@ def test_verdicts_show_only_endpoints_and_judge_each_cell(small_map):
     assert row["endpoints"] == 0 and row["verdict"] == "no endpoint"
     # a coupled depth-3 cell holds exactly when its median deficit is within the tolerance
     at = dict(depth=3, init="gaussian", subset="random-0.5", pretraining="early")
-    ds["error_warm"].loc[at] = ds["error_cold"].loc[at] * 1.5
+    ds["error_cold"].loc[at] = 0.1
+    ds["error_warm"].loc[at] = 0.15
     ds["status_pretrain"].loc[at] = int(gflow.Status.LOSS_REACHED)
     ds["status_warm"].loc[at] = ds["status_cold"].loc[at] = 0
     row = next(r for r in plasticity_verdicts(ds) if all(r[k] == v for k, v in at.items()))
@@ -199,6 +200,11 @@ def test_verdicts_show_only_endpoints_and_judge_each_cell(small_map):
         r for r in plasticity_verdicts(ds, tolerance=1.2) if all(r[k] == v for k, v in at.items())
     )
     assert row["verdict"] == "fails"
+    # where the cold start itself does not complete the matrix there is nothing to judge
+    ds["error_cold"].loc[at] = 0.9
+    ds["error_warm"].loc[at] = 0.9
+    row = next(r for r in plasticity_verdicts(ds) if all(r[k] == v for k, v in at.items()))
+    assert row["verdict"] == "cold fails"
     summary = claim_summary(plasticity_verdicts(ds))
     assert sum(summary.values()) == len(rows)
 

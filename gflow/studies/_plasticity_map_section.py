@@ -9,6 +9,7 @@ import numpy as np
 
 from ._plasticity_map import PRESETS, plasticity_map
 from ._plasticity_verdicts import (
+    COLD_LIMIT,
     TOLERANCE,
     claim_summary,
     descent_disagreements,
@@ -42,7 +43,11 @@ def plasticity_map_sections(preset: str, out, progress=False):
         f"endpoint or stopped early at loss {spec.early_loss:g}·loss(0), seeds "
         f"{list(spec.seeds)}. Store: `plasticity_map.zarr` (`gflow.studies.load_plasticity_map`)."
     )
-    claim = [r for r in rows if r["verdict"] in ("holds", "fails", "no endpoint")]
+    claim = [
+        r
+        for r in rows
+        if r["verdict"] in ("holds", "fails", "no endpoint", "cold fails") and r["depth"] >= 3
+    ]
     table = markdown_table(
         [
             "L",
@@ -71,6 +76,7 @@ def plasticity_map_sections(preset: str, out, progress=False):
         ],
     )
     depth2 = [r for r in rows if r["verdict"] in ("lost", "kept")]
+    cold_fails2 = sum(r["verdict"] == "cold fails" and r["depth"] == 2 for r in rows)
     text = (
         f"Pretrain on Ω₁ ⊂ Ω₂, resume on Ω₂ from the pretrained weights (warm), and compare "
         f"with a fresh start on Ω₂ (cold). The **deficit** is warm/cold relative error on the "
@@ -81,9 +87,11 @@ def plasticity_map_sections(preset: str, out, progress=False):
         f"**Claim: depth ≥ 3 protects plasticity when pretraining is coupled** (cells with "
         f"L ≥ 3 whose pretraining starts coupled, docs/theory.md §10): holds in "
         f"{summary['holds']}, fails in {summary['fails']}, no endpoint in "
-        f"{summary['no endpoint']}.\n\n{table}\n\n"
+        f"{summary['no endpoint']}; not judged where the cold start itself does not complete "
+        f"the matrix (median relative error ≥ {COLD_LIMIT:g}, `cold fails`): "
+        f"{sum(r['verdict'] == 'cold fails' for r in claim)}.\n\n{table}\n\n"
         f"Depth 2 with decoupled pretraining: plasticity lost (deficit > {TOLERANCE:g}) in "
-        f"{summary['lost']} cells, kept in {summary['kept']}"
+        f"{summary['lost']} cells, kept in {summary['kept']}, cold fails in {cold_fails2}"
         + (
             ": "
             + "; ".join(

@@ -15,6 +15,11 @@ from ..engine import Status
 # cold start's (the deficit); `plasticity_verdicts(tolerance=)` changes it.
 TOLERANCE = 2.0
 
+# Plasticity is the ability to learn what a fresh model learns: a cell is judged only where the
+# cold start completes the matrix, its median relative unobserved error below this (else the
+# verdict is `cold fails`: both starts fail, and their ratio says nothing about plasticity).
+COLD_LIMIT = 0.5
+
 _EXPECTED_PRETRAIN = {"endpoint": int(Status.CONVERGED), "early": int(Status.LOSS_REACHED)}
 
 
@@ -74,9 +79,10 @@ def plasticity_verdicts(ds, tolerance: float = TOLERANCE) -> list[dict]:
     its pretraining, the flow's median deficit (error and stable rank) over the seeds that
     reached endpoints, and the verdict of the claim "depth ≥ 3 protects plasticity when
     pretraining is coupled": `holds` (median deficit ≤ `tolerance`), `fails`, `no endpoint`
-    (no seed reached one), or `not claimed` (depth 2, or pretraining not coupled). Depth-2
-    rows with decoupled pretraining say whether plasticity was lost (`lost` / `kept`), the
-    paper's other half."""
+    (no seed reached one), `cold fails` (the cold start itself does not complete the matrix:
+    median error ≥ `COLD_LIMIT`, nothing to compare with), or `not claimed` (depth 2, or
+    pretraining not coupled). Depth-2 rows with decoupled pretraining say whether plasticity
+    was lost (`lost` / `kept`), the paper's other half."""
     error = plasticity_deficit(ds, "error")
     srank = plasticity_deficit(ds, "srank")
     rows = []
@@ -106,7 +112,9 @@ def plasticity_verdicts(ds, tolerance: float = TOLERANCE) -> list[dict]:
                             "cold_error": _median(ds.error_cold.sel(at).values, ok),
                             "warm_distance": _median(ds.distance_warm.sel(at).values, ok),
                         }
-                        row["verdict"] = _verdict(int(depth), coupled, ok.any(), median, tolerance)
+                        row["verdict"] = _verdict(
+                            int(depth), coupled, ok.any(), median, tolerance, row["cold_error"]
+                        )
                         rows.append(row)
     return rows
 
@@ -119,20 +127,24 @@ def _median(values, ok) -> float:
     return float(np.median(values[ok])) if ok.any() else math.nan
 
 
-def _verdict(depth, coupled, any_endpoint, median, tolerance) -> str:
-    if depth >= 3 and coupled == "coupled":
-        if not any_endpoint:
-            return "no endpoint"
+def _verdict(depth, coupled, any_endpoint, median, tolerance, cold_error) -> str:
+    claimed = (depth >= 3 and coupled == "coupled") or (depth == 2 and coupled == "decoupled")
+    if not claimed:
+        return "not claimed"
+    if not any_endpoint:
+        return "no endpoint"
+    if not cold_error < COLD_LIMIT:
+        return "cold fails"
+    if depth >= 3:
         return "holds" if median <= tolerance else "fails"
-    if depth == 2 and coupled == "decoupled" and any_endpoint:
-        return "lost" if median > tolerance else "kept"
-    return "not claimed"
+    return "lost" if median > tolerance else "kept"
 
 
 def claim_summary(rows: list[dict]) -> dict:
     """Counts of the verdicts: the claim's cells (depth ≥ 3, coupled) and depth 2 decoupled."""
     count = lambda v: sum(r["verdict"] == v for r in rows)
-    return {v: count(v) for v in ("holds", "fails", "no endpoint", "lost", "kept", "not claimed")}
+    verdicts = ("holds", "fails", "no endpoint", "cold fails", "lost", "kept", "not claimed")
+    return {v: count(v) for v in verdicts}
 
 
 def descent_disagreements(ds, tolerance: float = TOLERANCE) -> list[dict]:
