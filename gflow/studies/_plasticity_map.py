@@ -23,12 +23,12 @@ import numpy as np
 
 from .._checks import seed_keys
 from ..analysis._coupling import bipartite_components, coupling
-from ..analysis._measures import stable_rank
+from ..analysis._measures import stable_rank, unobserved_error
 from ..descent import DescentOptions, descend_batch
 from ..engine import FlowOptions, Status, flow_batch, stack
 from ..inits import gaussian, identity_family
 from ..problem import Problem, bernoulli
-from ._plasticity import connected_superset_mask
+from ._plasticity import _flat, connected_superset_mask
 
 INITS = ("gaussian", "identity")
 PRETRAINING = ("endpoint", "early")
@@ -255,20 +255,6 @@ def initial_model(spec: PlasticityMapSpec, depth: int, alpha: float, init: str, 
 # --- one work unit ------------------------------------------------------------------------------
 
 
-def _flat(model) -> np.ndarray:
-    return np.concatenate([np.asarray(w, dtype=np.float64).ravel() for w in model.layers])
-
-
-def _relative_error(x: np.ndarray, truth: Problem) -> float:
-    off = np.asarray(truth.mask) == 0
-    target = np.asarray(truth.target)
-    return float(np.linalg.norm((x - target)[off]) / np.linalg.norm(target[off]))
-
-
-def _members(result, n):
-    return [result.member(i) for i in range(n)]
-
-
 def _cells(spec):
     """The (subset, pretraining, seed) index triples of a unit, in store order."""
     return [
@@ -277,10 +263,6 @@ def _cells(spec):
         for b in range(len(spec.pretraining))
         for c in range(len(spec.seeds))
     ]
-
-
-def _pad(items: list, size: int) -> list:
-    return items + [items[-1]] * (size - len(items))
 
 
 def run_unit(spec: PlasticityMapSpec, depth: int, alpha: float, init: str) -> dict:
@@ -362,7 +344,6 @@ def _run_method(spec, cell_keys, problems, inits, pre_problem, method) -> dict:
         for n, stop, s in cell_keys:
             p, w, c = pre_end[(lr, stop, n, s)], warm[(lr, n, stop, s)], cold[(lr, s)]
             truth = problems[s]
-            x_w, x_c = np.asarray(w.model.product()), np.asarray(c.model.product())
             theta_p = _flat(p.model)
             values = {
                 "status_pretrain": int(p.status),
@@ -371,8 +352,8 @@ def _run_method(spec, cell_keys, problems, inits, pre_problem, method) -> dict:
                 "loss_pretrain": float(p.loss / p.loss_init),
                 "steps_pretrain": float(p.num_steps),
                 "t_pretrain": float(p.t_end),
-                "error_warm": _relative_error(x_w, truth),
-                "error_cold": _relative_error(x_c, truth),
+                "error_warm": unobserved_error(w.model, truth)["rel"],
+                "error_cold": unobserved_error(c.model, truth)["rel"],
                 "srank_pretrain": stable_rank(p.model),
                 "srank_warm": stable_rank(w.model),
                 "srank_cold": stable_rank(c.model),
@@ -430,7 +411,7 @@ def _batch(spec, jobs, method, early) -> list:
         )
         result = descend_batch(problems, models, options, lr=lr)
     result = jax.tree_util.tree_map(np.asarray, result)
-    return _members(result, len(jobs))
+    return [result.member(i) for i in range(len(jobs))]
 
 
 # --- the store ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ and its heatmaps. A run that did not reach its endpoint enters none of these."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -86,36 +87,29 @@ def plasticity_verdicts(ds, tolerance: float = TOLERANCE) -> list[dict]:
     error = plasticity_deficit(ds, "error")
     srank = plasticity_deficit(ds, "srank")
     rows = []
-    for depth in ds.depth.values:
-        for alpha in ds.alpha.values:
-            for init in ds.init.values:
-                for subset in ds.subset.values:
-                    for pre in ds.pretraining.values:
-                        at = dict(
-                            depth=depth, alpha=alpha, init=init, subset=subset, pretraining=pre
-                        )
-                        e = error.sel(at).values
-                        ok = np.isfinite(e)
-                        coupled = _coupling_label(ds.pretrain_coupled.sel(at).values)
-                        median = float(np.median(e[ok])) if ok.any() else math.nan
-                        row = {
-                            **{k: _plain(v) for k, v in at.items()},
-                            "coupled": coupled,
-                            "endpoints": int(ok.sum()),
-                            "seeds": int(e.size),
-                            "error_deficit": median,
-                            "error_deficit_max": float(np.max(e[ok])) if ok.any() else math.nan,
-                            "srank_deficit": float(np.median(srank.sel(at).values[ok]))
-                            if ok.any()
-                            else math.nan,
-                            "warm_error": _median(ds.error_warm.sel(at).values, ok),
-                            "cold_error": _median(ds.error_cold.sel(at).values, ok),
-                            "warm_distance": _median(ds.distance_warm.sel(at).values, ok),
-                        }
-                        row["verdict"] = _verdict(
-                            int(depth), coupled, ok.any(), median, tolerance, row["cold_error"]
-                        )
-                        rows.append(row)
+    dims = ("depth", "alpha", "init", "subset", "pretraining")
+    for values in itertools.product(*(ds[d].values for d in dims)):
+        at = dict(zip(dims, values, strict=True))
+        e = error.sel(at).values
+        ok = np.isfinite(e)
+        coupled = _coupling_label(ds.pretrain_coupled.sel(at).values)
+        median = _median(e, ok)
+        row = {
+            **{k: _plain(v) for k, v in at.items()},
+            "coupled": coupled,
+            "endpoints": int(ok.sum()),
+            "seeds": int(e.size),
+            "error_deficit": median,
+            "error_deficit_max": float(np.max(e[ok])) if ok.any() else math.nan,
+            "srank_deficit": _median(srank.sel(at).values, ok),
+            "warm_error": _median(ds.error_warm.sel(at).values, ok),
+            "cold_error": _median(ds.error_cold.sel(at).values, ok),
+            "warm_distance": _median(ds.distance_warm.sel(at).values, ok),
+        }
+        row["verdict"] = _verdict(
+            int(at["depth"]), coupled, ok.any(), median, tolerance, row["cold_error"]
+        )
+        rows.append(row)
     return rows
 
 
