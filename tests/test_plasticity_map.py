@@ -243,6 +243,11 @@ def test_the_heatmap_marks_cells_without_endpoints(small_map):
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     n_panels = ds.sizes["init"] * ds.sizes["pretraining"] * ds.sizes["alpha"]
     assert texts.count("×") == n_panels * ds.sizes["subset"]  # every depth-2 cell
+    ds["error_cold"].loc[dict(depth=3)] = 0.9  # the cold start fails: marked, not judged
+    fig2 = plot_deficit(ds)
+    marked = [t.get_text() for ax in fig2.axes for t in ax.texts if t.get_text().endswith(" c")]
+    assert len(marked) == n_panels * ds.sizes["subset"]
+    plt.close(fig2)
     plt.close(fig)
 
 

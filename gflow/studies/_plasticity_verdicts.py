@@ -207,11 +207,16 @@ def descent_disagreements(ds, tolerance: float = TOLERANCE) -> list[dict]:
 def plot_deficit(ds, method: str = "flow", lr=None, *, tolerance: float = TOLERANCE):
     """Heatmaps of the median log₁₀ deficit of unobserved error over depth × Ω₁: a panel per
     α (rows) and init × pretraining (columns). Cells with no endpoint are grey with ×;
-    decoupled pretraining is marked `d`, mixed `~`. Returns the figure."""
+    decoupled pretraining is marked `d`, mixed `~`, a cold start that does not complete the
+    matrix (`cold fails`) `c`. Returns the figure."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import TwoSlopeNorm
 
-    deficit = np.log10(plasticity_deficit(ds, "error", method, lr).median("seed", skipna=True))
+    ratio = plasticity_deficit(ds, "error", method, lr)
+    deficit = np.log10(ratio.median("seed", skipna=True))
+    # the cold start's median error over the same endpoints: a cell whose cold start does not
+    # complete the matrix is marked, as its verdict is `cold fails`
+    cold = _select(ds, method, lr).error_cold.where(ratio.notnull()).median("seed", skipna=True)
     columns = [(i, p) for i in ds.init.values for p in ds.pretraining.values]
     alphas = ds.alpha.values
     fig, axes = plt.subplots(
@@ -234,11 +239,14 @@ def plot_deficit(ds, method: str = "flow", lr=None, *, tolerance: float = TOLERA
             values = deficit.sel(at).transpose("depth", "subset").values
             image = ax.imshow(values, cmap="RdBu_r", norm=norm, origin="lower", aspect="auto")
             coupled = ds.pretrain_coupled.sel(at).transpose("depth", "subset", "seed").values
+            cold_error = cold.sel(at).transpose("depth", "subset").values
             for y in range(values.shape[0]):
                 for x in range(values.shape[1]):
                     mark = {"decoupled": " d", "mixed": " ~"}.get(
                         _coupling_label(coupled[y, x]), ""
                     )
+                    if not cold_error[y, x] < COLD_LIMIT:
+                        mark += " c"
                     if np.isfinite(values[y, x]):
                         ax.text(
                             x,
@@ -257,7 +265,7 @@ def plot_deficit(ds, method: str = "flow", lr=None, *, tolerance: float = TOLERA
     who = "exact flow" if method == "flow" else f"gradient descent, η = {_lr(ds, lr):g} (mean loss)"
     fig.suptitle(
         f"warm/cold unobserved error ({who}); ≤ {tolerance:g}: plasticity kept; "
-        "× no endpoint; d: pretraining decoupled",
+        "× no endpoint; d: pretraining decoupled; c: cold start fails (not judged)",
         fontsize=9,
     )
     fig.colorbar(image, ax=axes, shrink=0.6, label="log₁₀ deficit (median over seeds)")
