@@ -264,7 +264,7 @@ def plot_deficit(ds, method: str = "flow", lr=None, *, tolerance: float = TOLERA
             ax.set_title(f"α={alpha:g}, {init}, {pre}", fontsize=8)
     who = "exact flow" if method == "flow" else f"gradient descent, η = {_lr(ds, lr):g} (mean loss)"
     fig.suptitle(
-        f"warm/cold unobserved error ({who}); ≤ {tolerance:g}: plasticity kept; "
+        f"warm/cold unobserved error ({who}); ≤ {tolerance:g}: plasticity kept\n"
         "× no endpoint; d: pretraining decoupled; c: cold start fails (not judged)",
         fontsize=9,
     )
