@@ -225,7 +225,10 @@ def _summary(name, r):
         sweep = r["sweep"]
         text = f"{sweep['flows']}-flow sweep, tails apart: {sweep['apart']['wall_s']:.3g} s"
         if "batch_over_apart" in sweep:
-            text += f", batched/apart = {sweep['batch_over_apart']:.3g}×"
+            text += (
+                f"; tails one at a time/side by side = {sweep['one at a time_over_apart']:.3g}×"
+                f", batched/side by side = {sweep['batch_over_apart']:.3g}×"
+            )
         return " | ".join(parts + [text])
     if name == "rhs_efficiency":
         return "; ".join(

@@ -208,6 +208,29 @@ def test_a_deferred_stiff_tail_finished_alone_is_the_same_flow(stiff_case):
     )
 
 
+def test_tails_finished_side_by_side_equal_tails_finished_one_by_one(stiff_case):
+    """Two pending tails on two threads give the members, bit for bit, that one thread gives
+    (the same programs on the same inputs: concurrency must not mix their states)."""
+    from gflow.engine._flow import _compiled_solver, finish_tails
+
+    problem, init, auto = stiff_case
+    other = gflow.gaussian([8] * 4, 0.05, key=2)
+    models = gflow.stack([init, other])
+    options = gflow.FlowOptions()
+    compiled, _ = _compiled_solver(problem, models, options, in_axes=(None, 0), defer_tail=True)
+    head = compiled(problem, models)
+    assert gflow.status_labels(np.asarray(head.status)).tolist() == ["pending", "pending"]
+    apart = finish_tails(problem, models, head, options, threads=2)
+    alone = finish_tails(problem, models, head, options, threads=1)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(apart), jax.tree_util.tree_leaves(alone), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(
+        np.asarray(apart.member(0).model.product()), np.asarray(auto.model.product()), atol=1e-9
+    )
+
+
 # Random-mask flows against diffrax's Kvaerno5 (dense Jacobian) at rtol 1e-11: an independent
 # stiff integrator, about a minute per case, hence slow. (d, L, α, p) span issue 4's ranges.
 # "auto" takes the dense path for the first two (P ≤ 200) and CG for the last two (P = 300, 256).

@@ -16,6 +16,7 @@ from ..problem import Problem
 from ._compile import program
 from ._options import FlowOptions
 from ._result import FlowResult, Status
+from ._threads import blas_threads_for, factorised_rows, run_concurrently, threads_for
 
 
 def _compiled_solver(
@@ -75,18 +76,23 @@ def _compiled_solver(
     )
 
 
-def finish_tails(problem, model, head: FlowResult, options: FlowOptions, depths=None):
+def finish_tails(problem, model, head: FlowResult, options: FlowOptions, depths=None, threads=None):
     """The whole flows of a batch solved with `defer_tail=True` (`head`, from the initial
     `model`): each member whose stiff tail is pending runs it alone and unpadded (a program
     per depth), so that a batch costs the sum of its members' tails rather than its stiffest
     member's tail times the batch size. Returns the batched result, models padded back to the
-    batch's depth."""
+    batch's depth.
+
+    The tails run `threads` at a time (default: the CPU cores this process may use): a tail
+    at a sweep's sizes is a sequence of small factorisations that keeps one core busy, so
+    tails side by side use the others (measured in benchmarks/README, `scale`)."""
     head = jax.tree_util.tree_map(np.asarray, head)
     pending = np.flatnonzero(head.status == Status.PENDING)
     if pending.size == 0:
         return head
     members = [head.member(i) for i in range(head.status.shape[0])]
-    for i in pending:
+    calls, rows = [], 0
+    for i in pending:  # compiled here, one at a time: threads never compile the same program
         problem_i = problem
         if problem.target.ndim == 3:
             problem_i = jax.tree_util.tree_map(lambda x, i=i: np.asarray(x[i]), problem)
@@ -107,7 +113,15 @@ def finish_tails(problem, model, head: FlowResult, options: FlowOptions, depths=
             extra=(observed,),
             out_like=FlowResult.skeleton(init),
         )
-        full = jax.tree_util.tree_map(np.asarray, compiled(problem_i, init, start))
+        calls.append(
+            lambda compiled=compiled, args=(problem_i, init, start): jax.tree_util.tree_map(
+                np.asarray, compiled(*args)
+            )
+        )
+        rows = max(rows, factorised_rows(init, options, observed))
+    with blas_threads_for(rows, side_by_side=threads_for(len(calls), threads)):
+        results = run_concurrently(calls, threads)
+    for i, full in zip(pending, results, strict=True):
         members[i] = eqx.tree_at(lambda r: r.model, full, pad_depth(full.model, model.depth))
     return stack(members)
 
@@ -169,8 +183,8 @@ def flow(
         )
     compiled, compile_time = _compiled_solver(problem, model, options)
     start = time.perf_counter()
-    result = compiled(problem, model)
-    jax.block_until_ready(result)
+    with blas_threads_for(factorised_rows(model, options, observed_bound(problem))):
+        result = jax.block_until_ready(compiled(problem, model))
     return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
 
 
@@ -230,8 +244,8 @@ def flow_batch(
     apart = tails == "apart" and options.stiff_tail
     compiled, compile_time = _compiled_solver(problem, model, options, in_axes, defer_tail=apart)
     start = time.perf_counter()
-    result = compiled(problem, model)
+    with blas_threads_for(factorised_rows(model, options, observed_bound(problem))):
+        result = jax.block_until_ready(compiled(problem, model))
     if apart:
         result = finish_tails(problem, model, result, options)
-    jax.block_until_ready(result)
     return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
