@@ -217,8 +217,8 @@ def _summary(name, r):
     if name == "scale":
         parts = [
             f"d={row['d']}: {row['status']} {row['solve_s']:.3g} s ({row['steps']} steps, "
-            f"{row['linear_iters']} CG, {row['peak_rss_mb']:.0f} MB; Gram eigh "
-            f"{row['eigh']['solve_s']:.3g} s, {row['eigh']['solve_s'] / row['solve_s']:.2g}×); "
+            f"{row['linear_iters']} CG, {row['peak_rss_mb']:.0f} MB; RODAS4 "
+            f"{row['rodas4']['solve_s']:.3g} s, {row['rodas4']['solve_s'] / row['solve_s']:.2g}×); "
             + ", ".join(f"{t['target']:.0e}: {_sgd_ratio(t)}" for t in row["targets"])
             for row in r["rows"]
         ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
@@ -81,18 +82,19 @@ def one_size(d: int, sgd_budget_s: float) -> dict:
         "work": r.work(),
         "top_singular_values": gflow.singular_values(r.model)[:TOP].tolist(),
     }
-    # The same flow with the Gram eigendecomposed (the preconditioner before `inverse`), side
-    # by side: the ratio of solve times, and how far apart the endpoints are.
-    eigh = gflow.flow(problem, init, gauss_newton="eigh")
+    # The same flow with the previous default tableau (RODAS4, which loses order on stiff
+    # tails), side by side: the ratio of solve times, and how far apart the endpoints are.
+    old = gflow.flow(problem, init, rosenbrock="rodas4")
     top = np.asarray(row["top_singular_values"])
-    row["eigh"] = {
-        "status": eigh.status_label,
-        "solve_s": eigh.wall_time_s,
-        "steps": int(eigh.num_steps),
-        "linear_iters": int(eigh.num_linear_iters),
-        "factorizations": int(eigh.num_factorizations),
+    row["rodas4"] = {
+        "status": old.status_label,
+        "solve_s": old.wall_time_s,
+        "steps": int(old.num_steps),
+        "tail_steps": old.work().get("stiff tail", {}).get("steps", 0),
+        "linear_iters": int(old.num_linear_iters),
+        "factorizations": int(old.num_factorizations),
         "sigma_max_relative_difference": float(
-            np.max(np.abs(gflow.singular_values(eigh.model)[:TOP] - top) / top)
+            np.max(np.abs(gflow.singular_values(old.model)[:TOP] - top) / top)
         ),
     }
     row |= _sgd_at_matched_accuracy(problem, init, r, sgd_budget_s)
@@ -251,11 +253,14 @@ def random_mask_sweep(quick: bool) -> dict:
 
 def scale(quick: bool) -> dict:
     """Field-size flows (d = 20, 50 quick; 20, 50, 100, 200 full), each in its own process,
-    and the random-mask sweep."""
+    and the random-mask sweep. `GFLOW_SCALE_SIZES` (e.g. "20,50,100") and `GFLOW_SCALE_SGD_S`
+    (SGD's budget per size) override the sizes and the budget (60 s quick, 600 s full)."""
     sizes = (20, 50) if quick else (20, 50, 100, 200)
+    if os.environ.get("GFLOW_SCALE_SIZES"):
+        sizes = tuple(int(d) for d in os.environ["GFLOW_SCALE_SIZES"].split(","))
+    budget = float(os.environ.get("GFLOW_SCALE_SGD_S") or (60.0 if quick else 600.0))
     rows = []
     for d in sizes:
-        budget = 60.0 if quick else 600.0
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.scale", str(d), str(budget)],
             capture_output=True,

@@ -13,6 +13,8 @@ FIXED_STEP = ("euler",)
 LEAN_SOLVERS = ("auto", "tsit5", "dopri5")  # FSAL tableaus that gflow's own loop runs
 CLOCKS = ("auto", "physical", "loss")
 LINEAR_SOLVERS = ("auto", "dense", "cg")
+# the Rosenbrock tableaus of the stiff tail (`_rosenbrock.TABLEAUS`), the default first
+ROSENBROCK = ("rodas4p2", "rodas4p", "rodas4")
 PRECONDITIONERS = ("gauss-newton", "spectral", "none")
 GAUSS_NEWTON = ("inverse", "eigh")
 
@@ -65,6 +67,9 @@ class FlowOptions(eqx.Module):
     - `certificates`: carry the energy integral ∫‖∇loss‖² dt as an extra state.
     - `linear_solver`: how `rodas4` solves its linear systems: `auto` (dense Cholesky up to 200
       parameters, else matrix-free CG on Hessian-vector products), `dense` or `cg`.
+    - `rosenbrock`: the tableau of that Rosenbrock method: `rodas4p2` (default), `rodas4p` or
+      `rodas4` (Hairer–Wanner's, which loses order on stiff flow tails and takes 1.9–2.6×
+      the steps to the same endpoint; docs/theory.md §5).
     - `preconditioner`: of that CG: `gauss-newton` (default: the Woodbury solve through the
       |Ω| × |Ω| NTK Gram, docs/theory.md §5), `spectral` (a randomized rank-64 sketch of the
       Hessian) or `none`; `gauss_newton`: how its Gram is factorised, `inverse` (default: its
@@ -93,6 +98,7 @@ class FlowOptions(eqx.Module):
     save_layers: bool = False
     certificates: bool = False
     linear_solver: str = "auto"
+    rosenbrock: str = "rodas4p2"
     preconditioner: str = "gauss-newton"
     gauss_newton: str = "inverse"
     divergence_bound: float = 1e100
@@ -126,6 +132,8 @@ class FlowOptions(eqx.Module):
             raise ValueError(
                 f"unknown linear_solver {self.linear_solver!r}; choose from {LINEAR_SOLVERS}"
             )
+        if self.rosenbrock not in ROSENBROCK:
+            raise ValueError(f"unknown rosenbrock {self.rosenbrock!r}; choose from {ROSENBROCK}")
         if self.gauss_newton not in GAUSS_NEWTON:
             raise ValueError(
                 f"unknown gauss_newton {self.gauss_newton!r}; choose from {GAUSS_NEWTON}"

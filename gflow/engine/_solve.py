@@ -4,7 +4,7 @@
    the loss has dropped by `loss_clock_until` (or not at all when the clock is physical).
 2. Physical time with the explicit solver (or the one solver that was forced).
 3. With `solver="auto"`: when the explicit solver has spent `explicit_steps` steps without
-   converging (a stiff tail), the L-stable Rosenbrock method RODAS4 to the end.
+   converging (a stiff tail), an L-stable Rosenbrock method (RODAS4P2 by default) to the end.
 
 Every phase starts where the previous one stopped; the first that reaches a final status
 (converged, diverged, t_max, …) ends the solve.
@@ -220,6 +220,7 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
         preconditioner_rank=0 if options.preconditioner == "none" else 64,
         batch_axis=batch_axis,
         linear_solver=options.linear_solver,
+        tableau=options.rosenbrock,
         step_tolerance=(setup.rtol, setup.atol),
         symmetric=True,
         passive=("energy",),
@@ -235,7 +236,11 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
         explicit = solver_class(options.solver)()
     loss_clock = explicit
     if options.solver == "rodas4":
-        loss_clock = Rodas4(linear_solver="dense", step_tolerance=(setup.rtol, setup.atol))
+        loss_clock = Rodas4(
+            linear_solver="dense",
+            tableau=options.rosenbrock,
+            step_tolerance=(setup.rtol, setup.atol),
+        )
     return {"loss clock": loss_clock, "explicit": explicit, "stiff": stiff}
 
 
