@@ -146,7 +146,9 @@ def test_balancedness_conserved_along_trajectory():
     for k in range(len(traj.t)):
         layers = gflow.Factorization([w[k] for w in traj.layers.layers])
         for a, b in zip(d0, gflow.balancedness(layers), strict=True):
-            assert np.linalg.norm(b - a) <= 1e-8 * max(np.linalg.norm(b), 1.0)
+            # samples inside a stiff-tail step come from the Rosenbrock dense output (linear
+            # interpolation there drifted 8e-9 to 1.3e-8)
+            assert np.linalg.norm(b - a) <= 1e-10 * max(np.linalg.norm(b), 1.0)
     assert gflow.balancedness_drift(init, r.model) <= 1e-9
     assert gflow.energy_residual(r) <= 1e-8
     # the sampled loss decreases, as it must along a gradient flow

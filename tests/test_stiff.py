@@ -232,6 +232,29 @@ def test_tails_finished_side_by_side_equal_tails_finished_one_by_one(stiff_case)
     )
 
 
+@pytest.mark.parametrize("tableau", ["rodas4p2", "rodas4p", "rodas4"])
+def test_dense_output_inside_a_step_is_third_order(tableau):
+    """Samples between fixed steps of y' = −y² (exact 1/(1 + t)): the dense output's error
+    falls at least like h³, where a linear interpolant's would fall like h²."""
+    errors = []
+    for n in (16, 32, 64):
+        h = 2.0 / n
+        ts = jnp.arange(n) * h + 0.37 * h
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: -(y**2)),
+            Rodas4(linear_solver="dense", tableau=tableau),
+            0.0,
+            2.0,
+            h,
+            jnp.asarray([1.0]),
+            stepsize_controller=diffrax.ConstantStepSize(),
+            saveat=diffrax.SaveAt(ts=ts),
+        )
+        errors.append(np.max(np.abs(np.asarray(sol.ys[:, 0]) - 1.0 / (1.0 + np.asarray(ts)))))
+    orders = np.log2(np.array(errors[:-1]) / np.array(errors[1:]))
+    assert np.all(orders > 2.8), orders
+
+
 def test_the_tableaus_are_the_same_method_family():
     """Each tableau is stiffly accurate (the solution is the last stage's argument plus K_6)
     and every option name has a tableau."""
