@@ -262,9 +262,10 @@ def test_the_tableaus_are_the_same_method_family():
     from gflow.engine._rosenbrock import TABLEAUS
 
     assert set(ROSENBROCK) == set(TABLEAUS) and ROSENBROCK[0] == Rodas4().tableau
-    for a, c, m in TABLEAUS.values():
-        assert m == [a[(6, j)] for j in range(1, 6)] + [1.0]
-        assert sorted(c) == sorted(a)  # c_ij for every i > j, like a_ij
+    for t in TABLEAUS.values():
+        assert t.m == [t.a[(6, j)] for j in range(1, 6)] + [1.0]
+        assert sorted(t.c) == sorted(t.a)  # c_ij for every i > j, like a_ij
+        assert [len(row) for row in t.dense] == [5, 5]
     with pytest.raises(ValueError, match="rosenbrock"):
         gflow.FlowOptions(rosenbrock="rodas5")
 
