@@ -268,6 +268,8 @@ def scale(quick: bool) -> dict:
             check=True,
         )
         rows.append(json.loads(done.stdout.splitlines()[-1]))
+        # each size as it finishes: a long run interrupted later keeps these figures
+        print(f"scale d={d}: {json.dumps(rows[-1], default=str)}", flush=True)
     return {"rows": rows, "sweep": random_mask_sweep(quick)}
 
 
