@@ -142,6 +142,11 @@ def observed_bound(problem: Problem, multiple: int = 64) -> int:
     return min(bound, mask.shape[-2] * mask.shape[-1])
 
 
+def flow_blas_threads(problem, model, options):
+    """The BLAS threads a (batched) flow of `model` on `problem` runs with (`_threads`)."""
+    return blas_threads_for(factorised_rows(model, options, observed_bound(problem)))
+
+
 def flow(
     problem: Problem,
     model: Factorization,
@@ -183,7 +188,7 @@ def flow(
         )
     compiled, compile_time = _compiled_solver(problem, model, options)
     start = time.perf_counter()
-    with blas_threads_for(factorised_rows(model, options, observed_bound(problem))):
+    with flow_blas_threads(problem, model, options):
         result = jax.block_until_ready(compiled(problem, model))
     return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
 
@@ -244,7 +249,7 @@ def flow_batch(
     apart = tails == "apart" and options.stiff_tail
     compiled, compile_time = _compiled_solver(problem, model, options, in_axes, defer_tail=apart)
     start = time.perf_counter()
-    with blas_threads_for(factorised_rows(model, options, observed_bound(problem))):
+    with flow_blas_threads(problem, model, options):
         result = jax.block_until_ready(compiled(problem, model))
     if apart:
         result = finish_tails(problem, model, result, options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
 import os
 import queue
@@ -61,8 +62,10 @@ def run_concurrently(calls, threads=None) -> list:
     return results
 
 
+@functools.cache
 def _scipy_openblas():
-    """SciPy's bundled OpenBLAS (the LAPACK jaxlib calls), or None where there is none."""
+    """SciPy's bundled OpenBLAS (the LAPACK jaxlib calls), or None where there is none; looked
+    up once (every flow asks)."""
     try:
         import scipy
     except ImportError:

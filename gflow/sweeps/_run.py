@@ -17,8 +17,7 @@ from ..analysis import (
 )
 from ..analysis._sensitivity import perturb
 from ..engine import Status, stack
-from ..engine._flow import _compiled_solver, finish_tails, observed_bound
-from ..engine._threads import blas_threads_for, factorised_rows
+from ..engine._flow import _compiled_solver, finish_tails, flow_blas_threads
 from ._build import build_chunk
 from ._spec import SweepSpec, execution_order
 from ._store import _chunk_indices, _open_or_create, _template, write_points
@@ -49,11 +48,11 @@ def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None, indices=None) -
     )
 
     def solve(models):
-        with blas_threads_for(factorised_rows(models, spec.options, observed_bound(problems))):
+        with flow_blas_threads(problems, models, spec.options):
             args = (problems, models) if depths is None else (problems, models, depths)
             result = jax.block_until_ready(compiled(*args))  # before the threads are restored
         if spec.tails == "apart":
-            # Members that reach the stiff tail finish it one by one: the batch waits for none.
+            # Stiff tails finish apart, side by side on the cores: the batch waits for none.
             result = finish_tails(problems, models, result, spec.options, depths)
         return jax.block_until_ready(result)
 
