@@ -9,6 +9,7 @@ from jax.flatten_util import ravel_pytree
 
 import gflow
 from gflow.engine import Rodas4
+from gflow.engine._rosenbrock import conjugate_gradient, galerkin_start
 
 # (linear_solver, symmetric): dense LU, dense Cholesky, matrix-free CG.
 LINEAR_ALGEBRA = [("dense", False), ("dense", True), ("cg", True)]
@@ -355,3 +356,78 @@ def test_a_loss_clock_stalled_on_a_second_plateau_hands_over_to_physical_time():
     )
     capped = gflow.flow(problem, init, max_steps=20_000)
     assert capped.status_label == "max_steps" and capped.end_phase == gflow.Phase.LOSS_CLOCK
+
+
+def _spd(n=30, seed=0):
+    rng = np.random.default_rng(seed)
+    q, _ = np.linalg.qr(rng.normal(size=(n, n)))
+    return rng, q @ np.diag(np.geomspace(1e-3, 1e3, n)) @ q.T
+
+
+def test_galerkin_start_is_the_a_norm_projection_onto_earlier_solutions():
+    """From solutions x_j with known images A x_j: the start x0 in their span whose residual is
+    orthogonal to the span (the A-norm best), exact when b lies in span{A x_j}; near-parallel
+    solutions (a repeated one) do not spoil it."""
+    rng, a = _spd()
+    z = [rng.normal(size=30) for _ in range(4)]
+    z.append(z[0] * (1 + 1e-15))
+    images = [a @ x for x in z]
+    solutions, images = [jnp.asarray(x) for x in z], [jnp.asarray(x) for x in images]
+    b = jnp.asarray(rng.normal(size=30))
+    x0, r0 = galerkin_start(solutions, images, b)
+    np.testing.assert_allclose(np.asarray(r0), np.asarray(b - a @ x0), atol=1e-12)
+    zt = np.stack(z)
+    assert np.max(np.abs(zt @ np.asarray(r0))) <= 1e-9 * np.max(np.abs(zt @ np.asarray(b)))
+    solution = np.linalg.solve(a, np.asarray(b))
+    a_norm = lambda e: float(e @ a @ e)
+    assert a_norm(solution - np.asarray(x0)) < a_norm(solution)
+    inside = images[1] - 2.0 * images[3]
+    x_in, r_in = galerkin_start(solutions, images, inside)
+    np.testing.assert_allclose(np.asarray(x_in), z[1] - 2.0 * z[3], rtol=1e-9, atol=1e-9)
+    assert float(jnp.linalg.norm(r_in)) <= 1e-9 * float(jnp.linalg.norm(inside))
+
+
+def test_conjugate_gradient_from_a_start_solves_the_same_system_in_fewer_iterations():
+    rng, a = _spd(seed=1)
+    a = jnp.asarray(a)
+    b = jnp.asarray(rng.normal(size=30))
+    matvec = lambda v: a @ v
+    x, ok, cold, _ = conjugate_gradient(matvec, b, rtol=1e-10, max_iters=500)
+    guess = x + 1e-4 * jnp.asarray(rng.normal(size=30))
+    x_warm, ok_warm, warm, r = conjugate_gradient(
+        matvec, b, rtol=1e-10, max_iters=500, x0=guess, r0=b - a @ guess
+    )
+    assert bool(ok) and bool(ok_warm) and int(warm) < int(cold)
+    np.testing.assert_allclose(np.asarray(x_warm), np.linalg.solve(a, b), rtol=1e-8)
+    np.testing.assert_allclose(np.asarray(r), np.asarray(b - a @ x_warm), atol=1e-10)
+
+
+@pytest.mark.parametrize("start", ["stages", "previous"])
+def test_cg_stage_starts_change_the_work_not_the_solution(start):
+    """Rodas4's CG started from earlier stages (and steps) takes fewer iterations than from
+    zero and lands on the same exact solution of y' = −A y."""
+    q, lam, c = _stiff_linear_system()
+    a = jnp.asarray(q @ np.diag(lam) @ q.T)
+
+    def run(stage_start):
+        return diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: -a @ y),
+            Rodas4(linear_solver="cg", symmetric=True, stage_start=stage_start),
+            0.0,
+            1.0,
+            None,
+            jnp.asarray(q @ c),
+            stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-10),
+            saveat=diffrax.SaveAt(t1=True, solver_state=True),
+            max_steps=10_000,
+        )
+
+    zero, started = run("zero"), run(start)
+    exact = q @ (np.exp(-lam) * c)
+    np.testing.assert_allclose(np.asarray(started.ys[-1]), exact, atol=1e-8)
+    assert int(started.solver_state["iters"]) < int(zero.solver_state["iters"])
+
+
+def test_an_unknown_stage_start_is_refused():
+    with pytest.raises(ValueError, match="stage_start"):
+        Rodas4(stage_start="warm")
