@@ -302,7 +302,8 @@ def test_rodas4p2_does_not_lose_order_on_a_long_stiff_tail():
 
 # Random-mask flows against diffrax's Kvaerno5 (dense Jacobian) at rtol 1e-11: an independent
 # stiff integrator, about a minute per case, hence slow. (d, L, α, p) span issue 4's ranges.
-# "auto" takes the dense path for the first two (P ≤ 200) and CG for the last two (P = 300, 256).
+# "auto" takes the dense path for the first two (P ≤ 200) and CG for the last two (P = 300, 256),
+# with its dense fallback.
 KVAERNO_CASES = [
     (8, 2, 0.5, 0.3, "auto"),
     (8, 3, 0.05, 0.4, "auto"),
@@ -402,28 +403,34 @@ def test_conjugate_gradient_from_a_start_solves_the_same_system_in_fewer_iterati
     np.testing.assert_allclose(np.asarray(r), np.asarray(b - a @ x_warm), atol=1e-10)
 
 
+def _decay(solver, max_steps=10_000):
+    """y' = −A y of `_stiff_linear_system` from 0 to 1 with `solver`, and the exact y(1)."""
+    q, lam, c = _stiff_linear_system()
+    a = jnp.asarray(q @ np.diag(lam) @ q.T)
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(lambda t, y, args: -a @ y),
+        solver,
+        0.0,
+        1.0,
+        None,
+        jnp.asarray(q @ c),
+        stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-10),
+        saveat=diffrax.SaveAt(t1=True, solver_state=True),
+        max_steps=max_steps,
+        throw=False,
+    )
+    return sol, q @ (np.exp(-lam) * c)
+
+
 @pytest.mark.parametrize("start", ["stages", "previous"])
 def test_cg_stage_starts_change_the_work_not_the_solution(start):
     """Rodas4's CG started from earlier stages (and steps) takes fewer iterations than from
     zero and lands on the same exact solution of y' = −A y."""
-    q, lam, c = _stiff_linear_system()
-    a = jnp.asarray(q @ np.diag(lam) @ q.T)
-
-    def run(stage_start):
-        return diffrax.diffeqsolve(
-            diffrax.ODETerm(lambda t, y, args: -a @ y),
-            Rodas4(linear_solver="cg", symmetric=True, stage_start=stage_start),
-            0.0,
-            1.0,
-            None,
-            jnp.asarray(q @ c),
-            stepsize_controller=diffrax.PIDController(rtol=1e-8, atol=1e-10),
-            saveat=diffrax.SaveAt(t1=True, solver_state=True),
-            max_steps=10_000,
-        )
-
-    zero, started = run("zero"), run(start)
-    exact = q @ (np.exp(-lam) * c)
+    run = lambda stage_start: _decay(
+        Rodas4(linear_solver="cg", symmetric=True, stage_start=stage_start)
+    )
+    (zero, _), (started, exact) = run("zero"), run(start)
+    assert started.result == diffrax.RESULTS.successful
     np.testing.assert_allclose(np.asarray(started.ys[-1]), exact, atol=1e-8)
     assert int(started.solver_state["iters"]) < int(zero.solver_state["iters"])
 
@@ -431,3 +438,31 @@ def test_cg_stage_starts_change_the_work_not_the_solution(start):
 def test_an_unknown_stage_start_is_refused():
     with pytest.raises(ValueError, match="stage_start"):
         Rodas4(stage_start="warm")
+
+
+def test_a_stage_cg_cannot_solve_falls_back_to_the_dense_factorisation():
+    """CG capped at 2 iterations cannot solve 20-dimensional stage systems with eigenvalues over
+    seven decades: without a fallback every step fails until the steps are too small to reach
+    t = 1; with one (P ≤ `fallback_max`) such a step is solved densely instead, and the solve
+    lands on the exact solution."""
+
+    def run(fallback_max):
+        solver = Rodas4(
+            linear_solver="auto",
+            dense_max=0,  # CG at every size
+            symmetric=True,
+            cg_max_iters=2,
+            preconditioner_rank=0,
+            fallback_max=fallback_max,
+        )
+        return _decay(solver, max_steps=2_000)
+
+    without, _ = run(0)
+    assert without.result == diffrax.RESULTS.max_steps_reached
+    assert int(without.solver_state["factorizations"]) == 0
+    fallen, exact = run(1024)
+    assert fallen.result == diffrax.RESULTS.successful
+    np.testing.assert_allclose(np.asarray(fallen.ys[-1]), exact, atol=1e-8)
+    dense_steps = int(fallen.solver_state["factorizations"])
+    assert 0 < dense_steps <= int(fallen.stats["num_steps"])
+    assert int(fallen.solver_state["iters"]) > 0  # CG was tried first

@@ -66,7 +66,9 @@ class FlowOptions(eqx.Module):
       log-spaced from 1e-3 to 1e8 loss time-scales (or up to `t_max`).
     - `certificates`: carry the energy integral ∫‖∇loss‖² dt as an extra state.
     - `linear_solver`: how `rodas4` solves its linear systems: `auto` (dense Cholesky up to 200
-      parameters, else matrix-free CG on Hessian-vector products), `dense` or `cg`.
+      parameters, else matrix-free CG on Hessian-vector products; up to 1,024 parameters a
+      step whose CG does not converge within about a dense step's cost is solved densely),
+      `dense` or `cg`.
     - `rosenbrock`: the tableau of that Rosenbrock method: `rodas4p2` (default), `rodas4p` or
       `rodas4` (Hairer–Wanner's, which loses order on stiff flow tails and takes 1.9–2.6×
       the steps to the same endpoint; docs/theory.md §5).

@@ -349,6 +349,13 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       per step grows as P³, CG's cost as P; the crossover is measured in benchmarks/README).
     - `cg_rtol`, `cg_max_iters`: CG stopping rule. A CG solve that does not converge (or meets
       negative curvature) makes the step fail, and the controller retries a smaller one.
+    - `fallback_max`, `fallback_hold`: with `linear_solver="auto"`, on the CG path with at
+      most `fallback_max` unknowns (0: never), a stage's CG is capped at about a dense
+      step's cost (P/8 iterations, at least 32); a step whose CG fails is solved densely
+      instead (a Cholesky of the `jacobian`), and the next `fallback_hold` steps stay dense.
+      Each dense step counts as a factorisation. This bounds a step's cost where the
+      preconditioner stops working (the residual's part of a flow's Hessian, late on some
+      random-mask flows).
     - `step_tolerance`: the step controller's `(rtol, atol)`. With it CG also stops once its
       residual r is below `solve_fraction`·(1/(hγ))·‖atol + rtol·|y|‖: the error it leaves in
       a stage, ‖r‖·hγ, is then that fraction of the step's own tolerance (for a positive
@@ -383,6 +390,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     passive: tuple[str, ...] = ()
     jacobian: Callable | None = None
     dense_max: int = 200
+    fallback_max: int = 1024
+    fallback_hold: int = 64
     cg_rtol: float = 1e-10
     cg_max_iters: int = 2000
     preconditioner_rank: int = 64
@@ -417,6 +426,83 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         active = {k: v for k, v in y.items() if k not in self.passive}
         return active, {k: v for k, v in y.items() if k in self.passive}
 
+    def _falls_back(self, size) -> bool:
+        return self.linear_solver == "auto" and size <= self.fallback_max
+
+    def _cg_iteration_cap(self, size) -> int:
+        """CG iterations a stage may spend: with a dense fallback, about one dense step's
+        cost (~P/8 Hessian-vector products, at least 32); else `cg_max_iters`."""
+        if self._falls_back(size):
+            return min(self.cg_max_iters, max(32, size // 8))
+        return self.cg_max_iters
+
+    def _cg_solver(self, jvp, shift, flat0, unravel, y0, args, solver_state):
+        """The preconditioned CG stage solve (I/(hγ) − J) K = rhs, −J = ∇²loss; whether the
+        structured preconditioner was rebuilt this step; the solver state it carries."""
+        size = flat0.shape[0]
+        hvp = lambda v: -jvp(v)
+        matvec = lambda v: shift * v + hvp(v)
+        precondition = lambda r: r
+        rebuilt = jnp.asarray(0, jnp.int32)
+        carried = {}
+        if "structured" in solver_state:
+            rebuild = solver_state["rebuild"]
+            if self.batch_axis is not None:
+                rebuild = jax.lax.psum(rebuild.astype(jnp.int32), self.batch_axis) > 0
+            structured = jax.lax.cond(
+                rebuild,
+                lambda: self.preconditioner.build(y0, args, shift),
+                lambda: solver_state["structured"],
+            )
+            carried["structured"] = structured
+            precondition = lambda r: ravel_pytree(
+                self.preconditioner.apply(structured, shift, unravel(r))
+            )[0]
+            rebuilt = rebuild.astype(jnp.int32)
+        elif "u" in solver_state:
+            rebuild = solver_state["age"] >= self.preconditioner_refresh
+            rebuilt = rebuild.astype(jnp.int32)
+            u, lam = jax.lax.cond(
+                rebuild,
+                lambda: spectral_sketch(hvp, solver_state["omega"]),
+                lambda: (solver_state["u"], solver_state["lam"]),
+            )
+            precondition = sketch_preconditioner(u, lam, shift)
+            age = jnp.where(rebuild, 1, solver_state["age"] + 1)
+            carried |= {"u": u, "lam": lam, "age": age.astype(jnp.int32)}
+
+        floor = 0.0
+        if self.step_tolerance is not None:
+            rtol, atol = self.step_tolerance
+            floor = self.solve_fraction * shift * jnp.linalg.norm(atol + rtol * jnp.abs(flat0))
+
+        # The previous step's stage solutions, with their images under this step's matrix
+        # (a Hessian-vector product each: far cheaper than a preconditioned CG iteration).
+        earlier, earlier_images = [], []
+        if "previous" in solver_state:
+            previous = solver_state["previous"]
+            earlier = list(previous.T)
+            earlier_images = list(jax.vmap(matvec, in_axes=1, out_axes=0)(previous))
+
+        def solve(rhs, solutions, images):
+            x0 = r0 = None
+            solutions, images = earlier + solutions, earlier_images + images
+            if solutions and self.stage_start in ("stages", "previous"):
+                x0, r0 = galerkin_start(solutions, images, rhs)
+            x, converged, n, r = conjugate_gradient(
+                matvec,
+                rhs,
+                rtol=self.cg_rtol,
+                atol=floor,
+                max_iters=self._cg_iteration_cap(size),
+                precondition=precondition,
+                x0=x0,
+                r0=r0,
+            )
+            return x, converged, n, rhs - r  # (I/(hγ) − J) x = rhs − r
+
+        return solve, rebuilt, carried
+
     def init(self, terms, t0, t1, y0, args):
         # CG iterations so far (0 when dense), and the carried preconditioner.
         flat, _ = ravel_pytree(self._split(y0)[0])
@@ -437,6 +523,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             state["age"] = jnp.asarray(self.preconditioner_refresh, jnp.int32)
         if self._uses_cg(size) and self.stage_start == "previous":
             state["previous"] = jnp.zeros((size, _STAGES), flat.dtype)
+        if self._uses_cg(size) and self._falls_back(size):
+            state["dense_hold"] = jnp.asarray(0, jnp.int32)  # steps to stay dense
         return state
 
     def func(self, terms, t0, y0, args):
@@ -463,8 +551,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         (f0, g0), jvp_both = jax.linearize(f, flat0)
         jvp = lambda v: jvp_both(v)[0]
         new_state = dict(solver_state)
-        built = jnp.asarray(1, jnp.int32)
-        if not self._uses_cg(size):
+
+        def dense_solver():
             if self.jacobian is None:
                 jac = jax.vmap(jvp, out_axes=1)(jnp.eye(size, dtype=flat0.dtype))
             else:
@@ -480,85 +568,61 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             def solve(rhs, solutions, images):
                 x = dense_solve(factor, rhs)
                 return x, jnp.all(jnp.isfinite(x)), jnp.asarray(0), rhs
+
+            return solve
+
+        def stages(solve):
+            """The six stage solutions (and their passive rows), whether every solve
+            succeeded, and the CG iterations spent."""
+            ks, kps, images = [], [], []
+            ok = jnp.asarray(True)
+            iters = jnp.asarray(0, jnp.int32)
+            for i in range(1, _STAGES + 1):
+                if i == 1:
+                    fi, gi = f0, g0
+                else:
+                    fi, gi = f(flat0 + sum(a_[(i, j)] * ks[j - 1] for j in range(1, i)))
+                memory = lambda kk, i=i: sum((c_[(i, j)] / h) * kk[j - 1] for j in range(1, i))
+                k, good, n, image = solve(fi + memory(ks) if i > 1 else fi, ks, images)
+                ks.append(k)
+                images.append(image)
+                if passive0:
+                    # Passive rows: K_p/(hγ) − (∂f_p/∂y_a) K_a = rhs_p.
+                    kps.append((gi + (memory(kps) if i > 1 else 0.0) + jvp_both(k)[1]) / shift)
+                ok = ok & good
+                iters = iters + jnp.asarray(n, jnp.int32)
+            return ks, kps, ok, iters
+
+        rebuilt = jnp.asarray(0, jnp.int32)  # the structured preconditioner, this step
+        if not self._uses_cg(size):
+            ks, kps, ok, iters = stages(dense_solver())
+            factorized = jnp.asarray(1, jnp.int32)
         else:
-            # (I/(hγ) − J) K = rhs with −J = ∇²loss: preconditioned CG.
-            hvp = lambda v: -jvp(v)
-            matvec = lambda v: shift * v + hvp(v)
-            precondition = lambda r: r
-            built = jnp.asarray(0, jnp.int32)
-            if "structured" in solver_state:
-                rebuild = solver_state["rebuild"]
-                if self.batch_axis is not None:
-                    rebuild = jax.lax.psum(rebuild.astype(jnp.int32), self.batch_axis) > 0
-                structured = jax.lax.cond(
-                    rebuild,
-                    lambda: self.preconditioner.build(y0, args, shift),
-                    lambda: solver_state["structured"],
-                )
-                new_state["structured"] = structured
-                precondition = lambda r: ravel_pytree(
-                    self.preconditioner.apply(structured, shift, unravel(r))
-                )[0]
-                built = rebuild.astype(jnp.int32)
-            elif "u" in solver_state:
-                rebuild = solver_state["age"] >= self.preconditioner_refresh
-                built = rebuild.astype(jnp.int32)
-                u, lam = jax.lax.cond(
-                    rebuild,
-                    lambda: spectral_sketch(hvp, solver_state["omega"]),
-                    lambda: (solver_state["u"], solver_state["lam"]),
-                )
-                precondition = sketch_preconditioner(u, lam, shift)
-                age = jnp.where(rebuild, 1, solver_state["age"] + 1)
-                new_state |= {"u": u, "lam": lam, "age": age.astype(jnp.int32)}
-
-            floor = 0.0
-            if self.step_tolerance is not None:
-                rtol, atol = self.step_tolerance
-                floor = self.solve_fraction * shift * jnp.linalg.norm(atol + rtol * jnp.abs(flat0))
-
-            # The previous step's stage solutions, with their images under this step's matrix
-            # (a Hessian-vector product each: far cheaper than a preconditioned CG iteration).
-            earlier, earlier_images = [], []
-            if "previous" in solver_state:
-                previous = solver_state["previous"]
-                earlier = list(previous.T)
-                earlier_images = list(jax.vmap(matvec, in_axes=1, out_axes=0)(previous))
-
-            def solve(rhs, solutions, images):
-                x0 = r0 = None
-                solutions, images = earlier + solutions, earlier_images + images
-                if solutions and self.stage_start in ("stages", "previous"):
-                    x0, r0 = galerkin_start(solutions, images, rhs)
-                x, converged, n, r = conjugate_gradient(
-                    matvec,
-                    rhs,
-                    rtol=self.cg_rtol,
-                    atol=floor,
-                    max_iters=self.cg_max_iters,
-                    precondition=precondition,
-                    x0=x0,
-                    r0=r0,
-                )
-                return x, converged, n, rhs - r  # (I/(hγ) − J) x = rhs − r
-
-        ks, kps, images = [], [], []
-        ok = jnp.asarray(True)
-        iters = jnp.asarray(0)
-        for i in range(1, _STAGES + 1):
-            if i == 1:
-                fi, gi = f0, g0
+            cg_solve, rebuilt, carried = self._cg_solver(
+                jvp, shift, flat0, unravel, y0, args, solver_state
+            )
+            new_state |= carried
+            factorized = jnp.asarray(0, jnp.int32)
+            if not self._falls_back(size):
+                ks, kps, ok, iters = stages(cg_solve)
             else:
-                fi, gi = f(flat0 + sum(a_[(i, j)] * ks[j - 1] for j in range(1, i)))
-            memory = lambda kk, i=i: sum((c_[(i, j)] / h) * kk[j - 1] for j in range(1, i))
-            k, good, n, image = solve(fi + memory(ks) if i > 1 else fi, ks, images)
-            ks.append(k)
-            images.append(image)
-            if passive0:
-                # Passive rows: K_p/(hγ) − (∂f_p/∂y_a) K_a = rhs_p.
-                kps.append((gi + (memory(kps) if i > 1 else 0.0) + jvp_both(k)[1]) / shift)
-            ok = ok & good
-            iters = iters + n
+                # CG capped at about a dense factorisation's cost; where it fails, the step is
+                # solved densely, and the next `fallback_hold` steps stay dense.
+                shared = lambda p: p
+                if self.batch_axis is not None:
+                    shared = lambda p: jax.lax.psum(p.astype(jnp.int32), self.batch_axis) > 0
+                hold = solver_state["dense_hold"]
+                use_dense = shared(hold > 0)
+                dense_run = lambda: stages(dense_solver())
+                ks, kps, ok, iters = jax.lax.cond(use_dense, dense_run, lambda: stages(cg_solve))
+                failed = shared(~ok & ~use_dense)
+                # (a dense run spends no CG iterations: `iters` stays the failed CG's work)
+                ks, kps, ok, _ = jax.lax.cond(failed, dense_run, lambda: (ks, kps, ok, iters))
+                dense_now = use_dense | failed
+                factorized = dense_now.astype(jnp.int32)
+                new_hold = jnp.where(failed, self.fallback_hold, jnp.maximum(hold - 1, 0))
+                new_state["dense_hold"] = new_hold.astype(jnp.int32)
+
         combine = lambda kk: sum(m * k for m, k in zip(m_, kk, strict=True))
         y1 = unravel(flat0 + combine(ks))
         y_error = unravel(jnp.where(ok, ks[-1], jnp.inf))
@@ -576,12 +640,12 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         if "previous" in solver_state:
             new_state["previous"] = jnp.stack(ks, axis=1)
         new_state["iters"] = solver_state["iters"] + iters.astype(jnp.int32)
-        new_state["factorizations"] = solver_state["factorizations"] + built
+        new_state["factorizations"] = solver_state["factorizations"] + rebuilt + factorized
         if "rebuild" in solver_state:
             # Staleness is what a rebuild cures: count iterations beyond those of the first
             # step after the last build (the residual term's share, which no rebuild removes).
-            baseline = jnp.where(built > 0, iters, solver_state["baseline"]).astype(jnp.int32)
-            excess = jnp.where(built > 0, 0, solver_state["excess"])
+            baseline = jnp.where(rebuilt > 0, iters, solver_state["baseline"]).astype(jnp.int32)
+            excess = jnp.where(rebuilt > 0, 0, solver_state["excess"])
             excess = excess + jnp.maximum(iters - baseline, 0).astype(jnp.int32)
             new_state["excess"] = excess
             new_state["baseline"] = baseline
