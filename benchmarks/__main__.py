@@ -223,7 +223,11 @@ def _summary(name, r):
             for row in r["rows"]
         ]
         sweep = r["sweep"]
-        text = f"{sweep['flows']}-flow sweep, tails apart: {sweep['apart']['wall_s']:.3g} s"
+        apart = sweep["apart"]
+        text = (
+            f"{sweep['flows']}-flow sweep, tails apart: {apart['wall_s']:.3g} s "
+            f"({apart['converged']} converged, {apart['max_steps']} out of steps)"
+        )
         if "batch_over_apart" in sweep:
             text += (
                 f"; tails one at a time/side by side = {sweep['one at a time_over_apart']:.3g}×"

@@ -239,6 +239,11 @@ def random_mask_sweep(quick: bool) -> dict:
             "converged": int(np.sum(status == 0)),
             "max_steps": int(np.sum(status == int(gflow.Status.MAX_STEPS))),
             "stiff_tail_flows": int(np.sum(np.asarray(ds.end_phase.values) == 2)),
+            # (depth, α, seed) of the flows that ran out of steps: where the time goes
+            "out_of_steps": [
+                (int(ds.depth[i]), float(ds.alpha[j]), int(ds.seed[k]))
+                for i, j, k in zip(*np.nonzero(np.asarray(ds.status.values) == 2), strict=True)
+            ],
         }
     for mode in ("batch", "one at a time"):
         if mode in out:
@@ -254,7 +259,8 @@ def random_mask_sweep(quick: bool) -> dict:
 def scale(quick: bool) -> dict:
     """Field-size flows (d = 20, 50 quick; 20, 50, 100, 200 full), each in its own process,
     and the random-mask sweep. `GFLOW_SCALE_SIZES` (e.g. "20,50,100") and `GFLOW_SCALE_SGD_S`
-    (SGD's budget per size) override the sizes and the budget (60 s quick, 600 s full)."""
+    (SGD's budget per size) override the sizes and the budget (60 s quick, 600 s full);
+    `GFLOW_SCALE_SWEEP=full` runs the full 112-flow sweep in a quick run."""
     sizes = (20, 50) if quick else (20, 50, 100, 200)
     if os.environ.get("GFLOW_SCALE_SIZES"):
         sizes = tuple(int(d) for d in os.environ["GFLOW_SCALE_SIZES"].split(","))
@@ -270,7 +276,9 @@ def scale(quick: bool) -> dict:
         rows.append(json.loads(done.stdout.splitlines()[-1]))
         # each size as it finishes: a long run interrupted later keeps these figures
         print(f"scale d={d}: {json.dumps(rows[-1], default=str)}", flush=True)
-    return {"rows": rows, "sweep": random_mask_sweep(quick)}
+    # GFLOW_SCALE_SWEEP=full: the issue's 112-flow sweep in a quick run
+    full_sweep = os.environ.get("GFLOW_SCALE_SWEEP") == "full"
+    return {"rows": rows, "sweep": random_mask_sweep(quick and not full_sweep)}
 
 
 if __name__ == "__main__":
