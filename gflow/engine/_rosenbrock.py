@@ -613,11 +613,18 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                     shared = lambda p: jax.lax.psum(p.astype(jnp.int32), self.batch_axis) > 0
                 hold = solver_state["dense_hold"]
                 use_dense = shared(hold > 0)
-                dense_run = lambda: stages(dense_solver())
-                ks, kps, ok, iters = jax.lax.cond(use_dense, dense_run, lambda: stages(cg_solve))
+                # Each branch traced once (compile time): CG unless holding dense, then dense
+                # where CG was skipped or failed. A failed CG's iterations still count.
+                skipped = lambda: jax.tree_util.tree_map(
+                    lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(lambda: stages(cg_solve))
+                )
+                ks, kps, ok, iters = jax.lax.cond(use_dense, skipped, lambda: stages(cg_solve))
                 failed = shared(~ok & ~use_dense)
-                # (a dense run spends no CG iterations: `iters` stays the failed CG's work)
-                ks, kps, ok, _ = jax.lax.cond(failed, dense_run, lambda: (ks, kps, ok, iters))
+                ks, kps, ok, _ = jax.lax.cond(
+                    use_dense | failed,
+                    lambda: stages(dense_solver()),
+                    lambda: (ks, kps, ok, iters),
+                )
                 dense_now = use_dense | failed
                 factorized = dense_now.astype(jnp.int32)
                 new_hold = jnp.where(failed, self.fallback_hold, jnp.maximum(hold - 1, 0))
