@@ -242,7 +242,10 @@ def random_mask_sweep(quick: bool) -> dict:
             # (depth, α, seed) of the flows that ran out of steps: where the time goes
             "out_of_steps": [
                 (int(ds.depth[i]), float(ds.alpha[j]), int(ds.seed[k]))
-                for i, j, k in zip(*np.nonzero(np.asarray(ds.status.values) == 2), strict=True)
+                for i, j, k in zip(
+                    *np.nonzero(np.asarray(ds.status.values) == int(gflow.Status.MAX_STEPS)),
+                    strict=True,
+                )
             ],
         }
     for mode in ("batch", "one at a time"):
@@ -276,7 +279,6 @@ def scale(quick: bool) -> dict:
         rows.append(json.loads(done.stdout.splitlines()[-1]))
         # each size as it finishes: a long run interrupted later keeps these figures
         print(f"scale d={d}: {json.dumps(rows[-1], default=str)}", flush=True)
-    # GFLOW_SCALE_SWEEP=full: the 112-flow sweep in a quick run
     full_sweep = os.environ.get("GFLOW_SCALE_SWEEP") == "full"
     return {"rows": rows, "sweep": random_mask_sweep(quick and not full_sweep)}
 

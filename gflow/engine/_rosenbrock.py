@@ -620,12 +620,10 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                 )
                 ks, kps, ok, iters = jax.lax.cond(use_dense, skipped, lambda: stages(cg_solve))
                 failed = shared(~ok & ~use_dense)
-                ks, kps, ok, _ = jax.lax.cond(
-                    use_dense | failed,
-                    lambda: stages(dense_solver()),
-                    lambda: (ks, kps, ok, iters),
-                )
                 dense_now = use_dense | failed
+                ks, kps, ok, _ = jax.lax.cond(
+                    dense_now, lambda: stages(dense_solver()), lambda: (ks, kps, ok, iters)
+                )
                 factorized = dense_now.astype(jnp.int32)
                 new_hold = jnp.where(failed, self.fallback_hold, jnp.maximum(hold - 1, 0))
                 new_state["dense_hold"] = new_hold.astype(jnp.int32)
