@@ -466,3 +466,38 @@ def test_a_stage_cg_cannot_solve_falls_back_to_the_dense_factorisation():
     dense_steps = int(fallen.solver_state["factorizations"])
     assert 0 < dense_steps <= int(fallen.stats["num_steps"])
     assert int(fallen.solver_state["iters"]) > 0  # CG was tried first
+
+
+class _ScaledIdentity:
+    """A structured preconditioner r ↦ r/shift that asks to be rebuilt at every step."""
+
+    refresh_budget = -1
+
+    def init(self, y, args):
+        return jnp.zeros(())
+
+    def build(self, y, args, shift):
+        return jnp.zeros(())
+
+    def apply(self, state, shift, r):
+        return r / shift
+
+
+def test_a_structured_preconditioner_is_not_rebuilt_while_the_steps_stay_dense():
+    """After a fallback the steps stay dense and run no CG, so they build no preconditioner:
+    one build (the first step's), then one dense factorisation per step (per accepted step:
+    diffrax keeps no solver state from a rejected one)."""
+    solver = Rodas4(
+        linear_solver="auto",
+        dense_max=0,
+        symmetric=True,
+        cg_max_iters=2,
+        preconditioner=_ScaledIdentity(),
+        fallback_max=1024,
+        fallback_hold=10**6,  # dense from the first failure to the end
+    )
+    sol, exact = _decay(solver, max_steps=2_000)
+    assert sol.result == diffrax.RESULTS.successful
+    np.testing.assert_allclose(np.asarray(sol.ys[-1]), exact, atol=1e-8)
+    assert int(sol.stats["num_rejected_steps"]) > 0  # the count below leaves them out
+    assert int(sol.solver_state["factorizations"]) == int(sol.stats["num_accepted_steps"]) + 1

@@ -135,7 +135,9 @@ class FlowResult(eqx.Module):
       RHS evaluations count every gradient evaluation, the stopping rule's included.
     - `num_linear_iters`: conjugate-gradient iterations (Hessian-vector products) of the
       Rosenbrock phases, 0 when they ran with dense linear algebra or did not run;
-      `num_factorizations`: their dense factorisations or preconditioner builds.
+      `num_factorizations`: their dense factorisations or preconditioner builds. Both count
+      accepted steps only: diffrax keeps no solver state from a rejected step, so its linear
+      algebra goes uncounted (`num_rejected_steps` says how many steps that is).
     - `phase_work`: the work of each phase, an int array of shape (3, 5): rows indexed by
       `Phase` (loss clock, explicit, stiff tail), columns `WORK_COLUMNS` (steps, rejected
       steps, vector-field evaluations, CG iterations, factorisations); `work()` gives it as a

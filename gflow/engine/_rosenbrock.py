@@ -355,7 +355,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       instead (a Cholesky of the `jacobian`), and the next `fallback_hold` steps stay dense.
       Each dense step counts as a factorisation. This bounds a step's cost where the
       preconditioner stops working (the residual's part of a flow's Hessian, late on some
-      random-mask flows).
+      random-mask flows). While the steps stay dense, a structured preconditioner due for a
+      rebuild waits for the next CG step.
     - `step_tolerance`: the step controller's `(rtol, atol)`. With it CG also stops once its
       residual r is below `solve_fraction`·(1/(hγ))·‖atol + rtol·|y|‖: the error it leaves in
       a stage, ‖r‖·hγ, is then that fraction of the step's own tolerance (for a positive
@@ -380,6 +381,10 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       product each (fewer iterations, worth it only where the preconditioner costs several
       Hessian-vector products); `zero`. Measured on the `scale` problem (benchmarks/README):
       CG iterations 13.3k → 9.9k (d = 50), 15.3k → 11.5k and 8.4k with `previous` (d = 100).
+
+    The solver state counts CG iterations (`iters`) and `factorizations` of accepted steps:
+    diffrax discards the state of a rejected step, so its work goes uncounted, and a rebuild
+    or fallback it decided on is decided again by its retry.
     """
 
     term_structure: ClassVar = diffrax.AbstractTerm
@@ -429,6 +434,13 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     def _falls_back(self, size) -> bool:
         return self.linear_solver == "auto" and size <= self.fallback_max
 
+    def _holds_dense(self, solver_state) -> jax.Array:
+        """Whether this step stays dense after a fallback (for the whole batch under vmap)."""
+        holding = solver_state["dense_hold"] > 0
+        if self.batch_axis is not None:
+            holding = jax.lax.psum(holding.astype(jnp.int32), self.batch_axis) > 0
+        return holding
+
     def _cg_iteration_cap(self, size) -> int:
         """CG iterations a stage may spend: with a dense fallback, about one dense step's
         cost (~P/8 Hessian-vector products, at least 32); else `cg_max_iters`."""
@@ -449,6 +461,9 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             rebuild = solver_state["rebuild"]
             if self.batch_axis is not None:
                 rebuild = jax.lax.psum(rebuild.astype(jnp.int32), self.batch_axis) > 0
+            if "dense_hold" in solver_state:
+                # Holding dense, CG does not run: the rebuild waits for the first CG step.
+                rebuild = rebuild & ~self._holds_dense(solver_state)
             structured = jax.lax.cond(
                 rebuild,
                 lambda: self.preconditioner.build(y0, args, shift),
@@ -612,7 +627,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                 if self.batch_axis is not None:
                     shared = lambda p: jax.lax.psum(p.astype(jnp.int32), self.batch_axis) > 0
                 hold = solver_state["dense_hold"]
-                use_dense = shared(hold > 0)
+                use_dense = self._holds_dense(solver_state)
                 # Each branch traced once (compile time): CG unless holding dense, then dense
                 # where CG was skipped or failed. A failed CG's iterations still count.
                 skipped = lambda: jax.tree_util.tree_map(
