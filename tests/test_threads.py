@@ -49,3 +49,22 @@ def test_blas_threads_are_set_inside_the_block_and_restored_after():
     assert get() == before
     with _threads.blas_threads(None):  # None leaves it alone
         assert get() == before
+
+
+@pytest.mark.parametrize(
+    ("width", "depth", "options", "rows"),
+    [
+        (8, 3, {}, 192),  # dense tail: the P × P stage matrix
+        (8, 5, {}, 320),  # CG that may fall back to the P × P matrix
+        (8, 5, {"linear_solver": "cg"}, 40),  # pure CG: the Gram only
+        (24, 2, {}, 40),  # P = 1,152 > fallback_max: the Gram only
+        (8, 5, {"preconditioner": "spectral", "linear_solver": "cg"}, 64),
+    ],
+)
+def test_the_largest_factorised_matrix_counts_the_dense_fallback(width, depth, options, rows):
+    import jax.numpy as jnp
+
+    import gflow
+
+    model = gflow.Factorization(tuple(jnp.zeros((width, width)) for _ in range(depth)))
+    assert _threads.factorised_rows(model, gflow.FlowOptions(**options), observed=40) == rows

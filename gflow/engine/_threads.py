@@ -107,16 +107,18 @@ ONE_THREAD_UP_TO = 400
 
 def factorised_rows(model, options, observed: int) -> int:
     """Rows of the largest matrix a flow's stiff tail factorises: the P × P stage matrix on the
-    dense path, else the Gauss–Newton Gram (|Ω|, `observed`) or the 64-column sketch."""
+    dense path (or where CG may fall back to it), else the Gauss–Newton Gram (|Ω|,
+    `observed`) or the 64-column sketch."""
     from ._rosenbrock import Rodas4
 
     size = sum(w[0].size if w.ndim == 3 else w.size for w in model.layers)
-    dense = options.linear_solver == "dense" or (
-        options.linear_solver == "auto" and size <= Rodas4.dense_max
-    )
-    if dense:
+    auto = options.linear_solver == "auto"
+    if options.linear_solver == "dense" or (auto and size <= Rodas4.dense_max):
         return size
-    return observed if options.preconditioner == "gauss-newton" else 64
+    preconditioner = observed if options.preconditioner == "gauss-newton" else 64
+    if auto and size <= Rodas4.fallback_max:
+        return max(size, preconditioner)
+    return preconditioner
 
 
 def blas_threads_for(rows: int, side_by_side: int = 1):
