@@ -87,6 +87,12 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--solver", choices=["auto", *sorted(SOLVERS)], default="auto")
     g.add_argument("--rtol", type=float, default=FLOW_DEFAULTS.rtol)
     g.add_argument("--atol", type=float, default=None, help="default: scaled to the init")
+    g.add_argument(
+        "--tail-rtol",
+        type=float,
+        default=None,
+        help="the stiff tail's step rtol (default: --rtol); the stopping rule keeps --rtol",
+    )
     g.add_argument("--t-max", type=_float_or_inf, default=FLOW_DEFAULTS.t_max)
     g.add_argument("--max-steps", type=int, default=FLOW_DEFAULTS.max_steps)
     g.add_argument("--clock", choices=list(CLOCKS), default=FLOW_DEFAULTS.clock)
@@ -161,6 +167,7 @@ def cmd_run(args) -> int:
         solver=args.solver,
         rtol=args.rtol,
         atol=args.atol,
+        tail_rtol=args.tail_rtol,
         t_max=args.t_max,
         max_steps=args.max_steps,
         clock=args.clock,

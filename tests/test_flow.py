@@ -330,6 +330,11 @@ def test_options_are_checked_not_rewritten_and_take_a_diffrax_solver():
         gflow.FlowOptions(save_ts=[2.0, 1.0])
     with pytest.raises(ValueError, match="solver must be a name or a diffrax solver"):
         gflow.FlowOptions(solver=3)
+    for bad in (0.0, 1.0, -1e-8):
+        with pytest.raises(ValueError, match="tail_rtol must lie in"):
+            gflow.FlowOptions(tail_rtol=bad)
+    with pytest.raises(ValueError, match="tail_rtol is the stiff tail's tolerance"):
+        gflow.FlowOptions(solver="tsit5", tail_rtol=1e-8)
     problem, model = gflow.diagonal(3), gflow.identity_family(3, 2, 0.1, 4.0)
     named = gflow.flow(problem, model, solver="euler", dt=0.05)
     given = gflow.flow(problem, model, solver=diffrax.Euler(), dt=0.05)

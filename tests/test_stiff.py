@@ -300,6 +300,29 @@ def test_rodas4p2_does_not_lose_order_on_a_long_stiff_tail():
     )
 
 
+def test_a_looser_tail_rtol_takes_fewer_steps_and_keeps_the_stopping_rule():
+    """`tail_rtol` loosens the stiff tail's step control only: the flow still stops where the
+    remaining distance is within the default rtol/atol, and on a tail that contracts onto its
+    limit the endpoint's leading singular values move far less than tail_rtol (measured
+    ~1e-13 here: benchmarks/README)."""
+    from gflow.engine import remaining_distance_ratio
+    from gflow.engine._stopping import default_atol
+    from gflow.sweeps._build import build
+
+    point = dict(dim=8, density=0.5, rank=2, noise=0.0, depth=3, alpha=0.01, seed=0, m=1.0)
+    problem, init = build(point, "bernoulli", "gaussian")
+    default = gflow.flow(problem, init)
+    loose = gflow.flow(problem, init, tail_rtol=1e-8)
+    assert default.status_label == loose.status_label == "converged"
+    tail = lambda r: r.work()["stiff tail"]["steps"]
+    assert tail(loose) < 0.5 * tail(default)
+    rtol = gflow.FlowOptions().rtol
+    ratio = remaining_distance_ratio(loose.model, problem, rtol, default_atol(init, rtol))
+    assert float(ratio) <= 1.0
+    s, s_loose = gflow.singular_values(default.model), gflow.singular_values(loose.model)
+    np.testing.assert_allclose(s_loose[:2], s[:2], rtol=1e-10)
+
+
 # Random-mask flows against diffrax's Kvaerno5 (dense Jacobian) at rtol 1e-11: an independent
 # stiff integrator, about a minute per case, hence slow. (d, L, α, p) span issue 4's ranges.
 # "auto" takes the dense path for the first two (P ≤ 200) and CG for the last two (P = 300, 256),

@@ -65,12 +65,22 @@ class Setup(eqx.Module):
     rtol: float
     atol: jax.Array | float
     controller: diffrax.AbstractStepSizeController
+    tail_tolerance: tuple  # the stiff tail's (rtol, atol): its controller's and CG's
     t_max: jax.Array
     divergence_bound: float = eqx.field(static=True)
     finite_horizon: bool = eqx.field(static=True)
     save_ts: tuple | None = eqx.field(static=True)
     save: int = eqx.field(static=True)
     summary: Callable | None = eqx.field(static=True)
+
+    def for_tail(self) -> Setup:
+        """This set-up with the stiff tail's step controller (`FlowOptions.tail_rtol`); the
+        stopping rule keeps `rtol` and `atol`."""
+        if isinstance(self.controller, diffrax.ConstantStepSize):
+            return self
+        rtol, atol = self.tail_tolerance
+        controller = FiniteErrorPID(rtol=rtol, atol=atol, norm=self.controller.norm)
+        return eqx.tree_at(lambda s: s.controller, self, controller)
 
     def done(self, loss, g, model):
         """Converged or diverged (the phase's status tells which)."""

@@ -194,12 +194,14 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
     else:
         norm = {} if layer_mask is None else {"norm": MaskedRMS(layer_mask)}
         controller = FiniteErrorPID(rtol=rtol, atol=atol, **norm)
+    tail_rtol = rtol if options.tail_rtol is None else options.tail_rtol
     return Setup(
         problem=problem,
         layer_mask=layer_mask,
         rtol=rtol,
         atol=atol,
         controller=controller,
+        tail_tolerance=(tail_rtol, atol * (tail_rtol / rtol)),
         t_max=jnp.asarray(options.t_max, model.layers[0].dtype),
         divergence_bound=options.divergence_bound,
         finite_horizon=math.isfinite(options.t_max),
@@ -221,7 +223,7 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
         batch_axis=batch_axis,
         linear_solver=options.linear_solver,
         tableau=options.rosenbrock,
-        step_tolerance=(setup.rtol, setup.atol),
+        step_tolerance=setup.tail_tolerance,
         symmetric=True,
         passive=("energy",),
         jacobian=physical_jacobian,
@@ -289,7 +291,7 @@ def _stiff_tail(setup: Setup, solver, end: _Ending, handover, batch_axis, max_st
 
     def run():
         return physical_phase(
-            setup,
+            setup.for_tail(),
             solver,
             end.y,
             end.t,
