@@ -134,6 +134,16 @@ def _plot(name, result, path):
     plt.close(fig)
 
 
+def _variant_text(row: dict, name: str) -> str:
+    """A side-by-side variant of a `scale` flow: its solve time, the default's over it, and
+    how far apart the endpoints are."""
+    v = row[name]
+    return (
+        f"{v['solve_s']:.3g} s, {row['solve_s'] / v['solve_s']:.2g}× faster, "
+        f"{v['tail_steps']} tail steps, σ {v['sigma_max_relative_difference']:.1e} apart"
+    )
+
+
 def _sgd_ratio(target: dict) -> str:
     """SGD's time over gflow's for one accuracy target: measured, extrapolated or a bound."""
     if "ratio" in target:
@@ -218,7 +228,8 @@ def _summary(name, r):
         parts = [
             f"d={row['d']}: {row['status']} {row['solve_s']:.3g} s ({row['steps']} steps, "
             f"{row['linear_iters']} CG, {row['peak_rss_mb']:.0f} MB; RODAS4 "
-            f"{row['rodas4']['solve_s']:.3g} s, {row['rodas4']['solve_s'] / row['solve_s']:.2g}×); "
+            f"{row['rodas4']['solve_s']:.3g} s, {row['rodas4']['solve_s'] / row['solve_s']:.2g}×; "
+            f"tail_rtol 1e-8 {_variant_text(row, 'tail_rtol_1e-8')}); "
             + ", ".join(f"{t['target']:.0e}: {_sgd_ratio(t)}" for t in row["targets"])
             for row in r["rows"]
         ]
