@@ -65,6 +65,7 @@ class Setup(eqx.Module):
     rtol: float
     atol: jax.Array | float
     controller: diffrax.AbstractStepSizeController
+    tail_controller: diffrax.AbstractStepSizeController  # `FlowOptions.tail_rtol`'s
     tail_tolerance: tuple  # the stiff tail's (rtol, atol): its controller's and CG's
     t_max: jax.Array
     divergence_bound: float = eqx.field(static=True)
@@ -76,11 +77,7 @@ class Setup(eqx.Module):
     def for_tail(self) -> Setup:
         """This set-up with the stiff tail's step controller (`FlowOptions.tail_rtol`); the
         stopping rule keeps `rtol` and `atol`."""
-        if isinstance(self.controller, diffrax.ConstantStepSize):
-            return self
-        rtol, atol = self.tail_tolerance
-        controller = FiniteErrorPID(rtol=rtol, atol=atol, norm=self.controller.norm)
-        return eqx.tree_at(lambda s: s.controller, self, controller)
+        return eqx.tree_at(lambda s: s.controller, self, self.tail_controller)
 
     def done(self, loss, g, model):
         """Converged or diverged (the phase's status tells which)."""

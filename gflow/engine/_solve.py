@@ -189,19 +189,23 @@ def _pick(condition, a: dict, b: dict, keys) -> dict:
 def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
     rtol = options.rtol
     atol = options.atol if options.atol is not None else default_atol(model, rtol, layer_mask)
-    if options.fixed_step:
-        controller = diffrax.ConstantStepSize()
-    else:
-        norm = {} if layer_mask is None else {"norm": MaskedRMS(layer_mask)}
-        controller = FiniteErrorPID(rtol=rtol, atol=atol, **norm)
+    norm = {} if layer_mask is None else {"norm": MaskedRMS(layer_mask)}
+
+    def controller(rtol, atol):
+        if options.fixed_step:
+            return diffrax.ConstantStepSize()
+        return FiniteErrorPID(rtol=rtol, atol=atol, **norm)
+
     tail_rtol = rtol if options.tail_rtol is None else options.tail_rtol
+    tail_tolerance = (tail_rtol, atol * (tail_rtol / rtol))
     return Setup(
         problem=problem,
         layer_mask=layer_mask,
         rtol=rtol,
         atol=atol,
-        controller=controller,
-        tail_tolerance=(tail_rtol, atol * (tail_rtol / rtol)),
+        controller=controller(rtol, atol),
+        tail_controller=controller(*tail_tolerance),
+        tail_tolerance=tail_tolerance,
         t_max=jnp.asarray(options.t_max, model.layers[0].dtype),
         divergence_bound=options.divergence_bound,
         finite_horizon=math.isfinite(options.t_max),
