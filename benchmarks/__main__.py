@@ -95,6 +95,16 @@ def _plot(name, result, path):
         rows = result["rows"]
         ds = [r["d"] for r in rows]
         ax.loglog(ds, [r["solve_s"] for r in rows], "o-", label="gflow exact flow (solve)")
+        for r in rows:  # a flow that did not converge has no endpoint to match: say so
+            if r["status"] != "converged":
+                ax.annotate(
+                    f"{r['status']}: not an endpoint",
+                    (r["d"], r["solve_s"]),
+                    fontsize=7,
+                    color="C3",
+                    xytext=(7, 5),
+                    textcoords="offset points",
+                )
         for k, eps in enumerate((1e-4, 1e-6)):
             ts = [next(t for t in r["targets"] if t["target"] == eps) for r in rows]
             keys = ("sgd_s", "sgd_s_extrapolated", "sgd_s_at_least")
