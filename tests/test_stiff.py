@@ -10,6 +10,7 @@ from jax.flatten_util import ravel_pytree
 import gflow
 from gflow.engine import Rodas4
 from gflow.engine._rosenbrock import conjugate_gradient, galerkin_start
+from gflow.engine._stopping import ROUNDING_RATIO, default_atol, rounding_ratio
 
 # (linear_solver, symmetric): dense LU, dense Cholesky, matrix-free CG.
 LINEAR_ALGEBRA = [("dense", False), ("dense", True), ("cg", True)]
@@ -380,6 +381,44 @@ def test_a_loss_clock_stalled_on_a_second_plateau_hands_over_to_physical_time():
     )
     capped = gflow.flow(problem, init, max_steps=20_000)
     assert capped.status_label == "max_steps" and capped.end_phase == gflow.Phase.LOSS_CLOCK
+
+
+def test_a_plateau_whose_gradient_is_rounding_ends_at_the_rounding_floor():
+    """σ = (3, 0.5) from α = 1e-4 at depth 5: after the first escape the second component is
+    below float64's resolution of X (σ₂ ~ 3e-16), and the gradient on that plateau is rounding.
+    The stiff tail stops there with `rounding_floor`, far from an endpoint, instead of running
+    out of steps; a relative change of 1e-15 in the layers changes that gradient by more than
+    half its size, where at the initialisation the two orders of the product agree to ~1e-15."""
+    d = 4
+    u = np.asarray(jax.random.normal(jax.random.key(0), (d, 2)))
+    _, v = np.linalg.eigh(u @ u.T)
+    problem = gflow.Problem(v @ np.diag([0.0, 0.0, 0.5, 3.0]) @ v.T, np.ones((d, d)))
+    init = gflow.gaussian([d] * 6, 1e-4, jax.random.key(10))
+    r = gflow.flow(problem, init)
+    assert r.status_label == "rounding_floor", r.status_message
+    assert r.end_phase == gflow.Phase.STIFF_TAIL
+    assert r.work()["stiff tail"]["steps"] < 100
+    assert float(r.loss / r.loss_init) > 1e-3  # the second component's loss is still there
+    remaining = gflow.engine.remaining_distance_ratio(
+        r.model, problem, 1e-10, default_atol(init, 1e-10)
+    )
+    assert float(remaining) > 1.0  # the stopping rule did not fire
+
+    g = r.model.gradient(problem)
+    assert float(rounding_ratio(g, r.model, problem)) <= ROUNDING_RATIO
+    assert float(rounding_ratio(init.gradient(problem), init, problem)) > 1e12
+    keys = jax.random.split(jax.random.key(1), r.model.depth)
+    nearby = gflow.Factorization(
+        [
+            w * (1 + 1e-15 * jax.random.normal(k, w.shape))
+            for k, w in zip(keys, r.model.layers, strict=True)
+        ]
+    )
+    change = ravel_pytree(nearby.gradient(problem))[0] - ravel_pytree(g)[0]
+    assert float(jnp.linalg.norm(change) / jnp.linalg.norm(ravel_pytree(g)[0])) > 0.5
+
+    one = gflow.gaussian([d, d], 0.3, jax.random.key(2))
+    assert float(rounding_ratio(one.gradient(problem), one, problem)) == np.inf
 
 
 def _spd(n=30, seed=0):

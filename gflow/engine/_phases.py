@@ -4,6 +4,7 @@ gflow's own explicit Runge–Kutta loop (`_runge_kutta`, when nothing is saved).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import diffrax
@@ -24,7 +25,7 @@ from ._dynamics import (
 )
 from ._result import Status, select_status, solver_code
 from ._runge_kutta import REACHED_END, STOPPED, all_finite, integrate
-from ._stopping import convergence, is_diverged
+from ._stopping import ROUNDING_RATIO, convergence, is_diverged, rounding_ratio
 
 CONTINUE = -1  # a phase that reached its end without a final status: the next phase goes on
 
@@ -68,23 +69,35 @@ class Setup(eqx.Module):
     tail_controller: diffrax.AbstractStepSizeController  # `FlowOptions.tail_rtol`'s
     tail_tolerance: tuple  # the stiff tail's (rtol, atol): its controller's and CG's
     t_max: jax.Array
+    loss_floor: jax.Array  # rtol × the initial loss: below it the rounding floor does not apply
     divergence_bound: float = eqx.field(static=True)
     finite_horizon: bool = eqx.field(static=True)
     save_ts: tuple | None = eqx.field(static=True)
     save: int = eqx.field(static=True)
     summary: Callable | None = eqx.field(static=True)
+    rounding_floor: bool = eqx.field(static=True, default=False)  # the stiff tail's: `for_tail`
 
     def for_tail(self) -> Setup:
-        """This set-up with the stiff tail's step controller (`FlowOptions.tail_rtol`); the
-        stopping rule keeps `rtol` and `atol`."""
-        return eqx.tree_at(lambda s: s.controller, self, self.tail_controller)
+        """This set-up with the stiff tail's step controller (`FlowOptions.tail_rtol`) and its
+        rounding floor; the stopping rule keeps `rtol` and `atol`."""
+        return dataclasses.replace(self, controller=self.tail_controller, rounding_floor=True)
 
     def done(self, loss, g, model):
-        """Converged or diverged (the phase's status tells which)."""
+        """Converged, diverged or (in the stiff tail) at the rounding floor: the phase's status
+        tells which."""
         ratio, diverged = convergence(
             loss, g, model, self.rtol, self.atol, self.layer_mask, self.divergence_bound
         )
-        return (ratio <= 1.0) | diverged
+        stop = (ratio <= 1.0) | diverged
+        if self.rounding_floor:
+            stop = stop | self.at_rounding_floor(loss, g, model)
+        return stop
+
+    def at_rounding_floor(self, loss, g, model):
+        """The gradient is rounding (`rounding_ratio` ≤ `ROUNDING_RATIO`) while the loss is still
+        above `loss_floor`: a plateau whose way out float64 rounding decides."""
+        ratio = rounding_ratio(g, model, self.problem, self.layer_mask)
+        return (loss > self.loss_floor) & (ratio <= ROUNDING_RATIO)
 
     def stop(self, t, y, args, **kwargs):
         loss, g = masked_loss_and_gradient(y["model"], self.problem, self.layer_mask)
@@ -291,10 +304,18 @@ def _diffrax_run(setup: Setup, sol, solver, end_status, samples: bool) -> PhaseR
     y_end = jax.tree_util.tree_map(lambda x: x[-1], ys)
     event = jnp.asarray(sol.result == diffrax.RESULTS.event_occurred)
     mask = sol.event_mask
+    floor = []
+    if setup.rounding_floor:  # the stop fired on the rounding floor, not on the stopping rule
+        model = y_end["model"]
+        loss, g = masked_loss_and_gradient(model, setup.problem, setup.layer_mask)
+        ratio, _ = convergence(loss, g, model, setup.rtol, setup.atol, setup.layer_mask, jnp.inf)
+        at_floor = setup.at_rounding_floor(loss, g, model) & ~(ratio <= 1.0)
+        floor = [(event & mask["stop"] & at_floor, Status.ROUNDING_FLOOR)]
     status = select_status(
         [
             (is_diverged(y_end["model"], setup.problem, setup.divergence_bound), Status.DIVERGED),
-            (event & mask["stop"], Status.CONVERGED),  # not diverged (above), so converged
+            *floor,
+            (event & mask["stop"], Status.CONVERGED),  # not diverged nor at the floor (above)
             (event & mask.get("t_max", False), Status.T_MAX),
             (sol.result == diffrax.RESULTS.successful, end_status),
             (sol.result == diffrax.RESULTS.max_steps_reached, Status.MAX_STEPS),

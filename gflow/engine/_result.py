@@ -29,6 +29,11 @@ class Status(enum.IntEnum):
     LOSS_REACHED = 5
     """An early stop: the loss fell to `stop_loss` × its initial value (`FlowOptions`,
     `DescentOptions`). Not an endpoint of the flow."""
+    ROUNDING_FLOOR = 6
+    """The stiff tail reached a plateau where the gradient is rounding: evaluated with the
+    product associated the other way it differs by more than half its size, while the loss is
+    still above rtol × its initial value. Where and when the flow leaves such a plateau (a
+    saddle) float64 rounding decides, not the initialisation. Not an endpoint."""
     PENDING = -1
     """Not computed yet: a sweep point whose chunk has not been written, or a flow solved with
     `defer_tail=True` whose stiff tail is still to run (`flow` never returns this)."""
@@ -87,6 +92,8 @@ def status_message(status: int, end_phase: int, code: int) -> str:
         Status.MAX_STEPS: "the step budget max_steps ran out before convergence",
         Status.DIVERGED: "the state, loss or gradient left the float range or the bound",
         Status.LOSS_REACHED: "stopped early where the loss fell to stop_loss × its initial value",
+        Status.ROUNDING_FLOOR: "the gradient is float64 rounding on a plateau (loss still above "
+        "rtol × its initial value): rounding, not the initialisation, decides what follows",
     }
     return f"{label} {where}: {reasons[Status(int(status))]}"
 

@@ -207,6 +207,7 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
         tail_controller=controller(*tail_tolerance),
         tail_tolerance=tail_tolerance,
         t_max=jnp.asarray(options.t_max, model.layers[0].dtype),
+        loss_floor=rtol * problem.loss(model.product()),
         divergence_bound=options.divergence_bound,
         finite_horizon=math.isfinite(options.t_max),
         save_ts=options.save_ts,

@@ -9,6 +9,12 @@ at that point is ≈ ½λ(rtol·|θ|)²: relative to the initial loss, about rto
 ∇loss it is scale-free: on the plateau of a small init, loss is O(1) while ‖∇loss‖ ~ α^{L−1},
 so the estimate is huge and the rule cannot fire at t = 0; at a minimum it goes to zero like
 e^{−κt}, so it always fires. An exact stationary point (∇loss = 0) counts as converged.
+
+The rounding floor (stiff tail only): where the gradient, evaluated a second time with the
+product associated the other way, disagrees with itself by more than 1/`ROUNDING_RATIO` of its
+size while the loss is still above rtol × its initial value, the flow sits on a plateau (a
+saddle) whose way out float64 rounding, not the initialisation, decides. The tail stops there
+with status `rounding_floor`: not an endpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import jax.numpy as jnp
 from ..model import Factorization, loss_and_gradient
 from ..problem import Problem
 from ._dynamics import flatten, masked_loss_and_gradient, rms
+
+ROUNDING_RATIO = 2.0
+"""‖∇loss‖ / ‖∇loss − ∇̃loss‖ at or below which a gradient counts as rounding."""
 
 
 def default_atol(model: Factorization, rtol, layer_mask=None):
@@ -68,3 +77,20 @@ def is_diverged(model, problem, bound):
     """Non-finite or huge parameters, or a loss or gradient beyond float range."""
     loss, g = loss_and_gradient(model, problem)
     return convergence(loss, g, model, 1.0, 1.0, None, bound)[1]
+
+
+def rounding_ratio(g, model: Factorization, problem: Problem, layer_mask=None) -> jax.Array:
+    """‖∇loss‖ / ‖∇loss − ∇̃loss‖: ∇̃loss is the same gradient with the product associated the
+    other way, (W_L W_{L−1})⋯W_1 against W_L(⋯(W_2 W_1)), so the difference is rounding alone
+    (the ratio is inf where the two agree exactly, e.g. at depth 1). Near 1 the gradient is
+    rounding; trainable layers only under a layer mask."""
+
+    def loss(layers):
+        x = functools.reduce(lambda x, w: x @ w, reversed(layers[:-1]), layers[-1])
+        return problem.loss(x)
+
+    other = jax.grad(loss)(tuple(model.layers))
+    weights = [1.0] * model.depth if layer_mask is None else list(layer_mask)
+    size = sum(w * jnp.sum(a**2) for w, a in zip(weights, g.layers, strict=True))
+    apart = sum(w * jnp.sum((a - b) ** 2) for w, a, b in zip(weights, g.layers, other, strict=True))
+    return jnp.where(apart > 0, jnp.sqrt(size / jnp.where(apart > 0, apart, 1.0)), jnp.inf)
