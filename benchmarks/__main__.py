@@ -247,7 +247,8 @@ def _summary(name, r):
         apart = sweep["apart"]
         text = (
             f"{sweep['flows']}-flow sweep, tails apart: {apart['wall_s']:.3g} s "
-            f"({apart['converged']} converged, {apart['max_steps']} out of steps)"
+            f"({apart['converged']} converged, {apart['max_steps']} out of steps, "
+            f"{apart.get('rounding_floor', 0)} at the rounding floor)"
         )
         if "batch_over_apart" in sweep:
             text += (

@@ -242,19 +242,25 @@ def random_mask_sweep(quick: bool) -> dict:
         wall = time.perf_counter() - start
         status = np.asarray(ds.status.values).ravel()
         results[mode] = ds
+        codes = np.asarray(ds.status.values)
         out[mode] = {
             "wall_s": wall,
             "converged": int(np.sum(status == 0)),
             "max_steps": int(np.sum(status == int(gflow.Status.MAX_STEPS))),
+            "rounding_floor": int(np.sum(status == int(gflow.Status.ROUNDING_FLOOR))),
             "stiff_tail_flows": int(np.sum(np.asarray(ds.end_phase.values) == 2)),
-            # (depth, α, seed) of the flows that ran out of steps: where the time goes
-            "out_of_steps": [
-                (int(ds.depth[i]), float(ds.alpha[j]), int(ds.seed[k]))
-                for i, j, k in zip(
-                    *np.nonzero(np.asarray(ds.status.values) == int(gflow.Status.MAX_STEPS)),
-                    strict=True,
+            # (depth, α, seed) of the flows that ran out of steps (where the time goes) and of
+            # those that stopped on a plateau whose gradient is rounding
+            **{
+                key: [
+                    (int(ds.depth[i]), float(ds.alpha[j]), int(ds.seed[k]))
+                    for i, j, k in zip(*np.nonzero(codes == int(code)), strict=True)
+                ]
+                for key, code in (
+                    ("out_of_steps", gflow.Status.MAX_STEPS),
+                    ("at_rounding_floor", gflow.Status.ROUNDING_FLOOR),
                 )
-            ],
+            },
         }
     for mode in ("batch", "one at a time"):
         if mode in out:
