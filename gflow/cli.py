@@ -93,6 +93,12 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the stiff tail's step rtol (default: --rtol); the stopping rule keeps --rtol",
     )
+    g.add_argument(
+        "--rounding-floor",
+        action="store_true",
+        help="stop the stiff tail early where its gradient is mostly float64 rounding on a "
+        "plateau (status rounding_floor: not an endpoint)",
+    )
     g.add_argument("--t-max", type=_float_or_inf, default=FLOW_DEFAULTS.t_max)
     g.add_argument("--max-steps", type=int, default=FLOW_DEFAULTS.max_steps)
     g.add_argument("--clock", choices=list(CLOCKS), default=FLOW_DEFAULTS.clock)
@@ -168,6 +174,7 @@ def cmd_run(args) -> int:
         rtol=args.rtol,
         atol=args.atol,
         tail_rtol=args.tail_rtol,
+        rounding_floor=args.rounding_floor,
         t_max=args.t_max,
         max_steps=args.max_steps,
         clock=args.clock,

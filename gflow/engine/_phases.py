@@ -75,16 +75,20 @@ class Setup(eqx.Module):
     save_ts: tuple | None = eqx.field(static=True)
     save: int = eqx.field(static=True)
     summary: Callable | None = eqx.field(static=True)
-    rounding_floor: bool = eqx.field(static=True, default=False)  # the stiff tail's: `for_tail`
+    rounding_floor: bool = eqx.field(static=True, default=False)  # checked now: `for_tail`
+    tail_rounding_floor: bool = eqx.field(static=True, default=False)  # the option
 
     def for_tail(self) -> Setup:
-        """This set-up with the stiff tail's step controller (`FlowOptions.tail_rtol`) and its
-        rounding floor; the stopping rule keeps `rtol` and `atol`."""
-        return dataclasses.replace(self, controller=self.tail_controller, rounding_floor=True)
+        """This set-up with the stiff tail's step controller (`FlowOptions.tail_rtol`) and, if
+        asked for (`FlowOptions.rounding_floor`), its rounding floor; the stopping rule keeps
+        `rtol` and `atol`."""
+        return dataclasses.replace(
+            self, controller=self.tail_controller, rounding_floor=self.tail_rounding_floor
+        )
 
     def done(self, loss, g, model):
-        """Converged, diverged or (in the stiff tail) at the rounding floor: the phase's status
-        tells which."""
+        """Converged, diverged or (in the stiff tail, if asked for) at the rounding floor: the
+        phase's status tells which."""
         ratio, diverged = convergence(
             loss, g, model, self.rtol, self.atol, self.layer_mask, self.divergence_bound
         )
@@ -95,7 +99,7 @@ class Setup(eqx.Module):
 
     def at_rounding_floor(self, loss, g, model):
         """The gradient is rounding (`rounding_ratio` ≤ `ROUNDING_RATIO`) while the loss is still
-        above `loss_floor`: a plateau whose way out float64 rounding decides."""
+        above `loss_floor`: a plateau the opt-in rounding floor stops on."""
         ratio = rounding_ratio(g, model, self.problem, self.layer_mask)
         return (loss > self.loss_floor) & (ratio <= ROUNDING_RATIO)
 

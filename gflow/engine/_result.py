@@ -30,10 +30,11 @@ class Status(enum.IntEnum):
     """An early stop: the loss fell to `stop_loss` × its initial value (`FlowOptions`,
     `DescentOptions`). Not an endpoint of the flow."""
     ROUNDING_FLOOR = 6
-    """The stiff tail reached a plateau where the gradient is rounding: evaluated with the
-    product associated the other way it differs by more than half its size, while the loss is
-    still above rtol × its initial value. Where and when the flow leaves such a plateau (a
-    saddle) float64 rounding decides, not the initialisation. Not an endpoint."""
+    """An early stop asked for with `FlowOptions(rounding_floor=True)`: the stiff tail reached
+    a plateau where the gradient is mostly rounding (evaluated with the product associated the
+    other way it differs by more than half its size) while the loss is still above rtol × its
+    initial value. Not an endpoint; whether the flow would leave the plateau, and where to,
+    this stop does not say."""
     PENDING = -1
     """Not computed yet: a sweep point whose chunk has not been written, or a flow solved with
     `defer_tail=True` whose stiff tail is still to run (`flow` never returns this)."""
@@ -92,8 +93,8 @@ def status_message(status: int, end_phase: int, code: int) -> str:
         Status.MAX_STEPS: "the step budget max_steps ran out before convergence",
         Status.DIVERGED: "the state, loss or gradient left the float range or the bound",
         Status.LOSS_REACHED: "stopped early where the loss fell to stop_loss × its initial value",
-        Status.ROUNDING_FLOOR: "the gradient is float64 rounding on a plateau (loss still above "
-        "rtol × its initial value): rounding, not the initialisation, decides what follows",
+        Status.ROUNDING_FLOOR: "stopped early (rounding_floor=True) on a plateau whose gradient "
+        "is mostly float64 rounding, the loss still above rtol × its initial value",
     }
     return f"{label} {where}: {reasons[Status(int(status))]}"
 

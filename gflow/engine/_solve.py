@@ -213,6 +213,7 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
         save_ts=options.save_ts,
         save=options.save,
         summary=summary(options.save_layers, min(problem.shape)),
+        tail_rounding_floor=options.rounding_floor,
     )
 
 

@@ -10,11 +10,12 @@ at that point is ≈ ½λ(rtol·|θ|)²: relative to the initial loss, about rto
 so the estimate is huge and the rule cannot fire at t = 0; at a minimum it goes to zero like
 e^{−κt}, so it always fires. An exact stationary point (∇loss = 0) counts as converged.
 
-The rounding floor (stiff tail only): where the gradient, evaluated a second time with the
-product associated the other way, disagrees with itself by more than 1/`ROUNDING_RATIO` of its
-size while the loss is still above rtol × its initial value, the flow sits on a plateau (a
-saddle) whose way out float64 rounding, not the initialisation, decides. The tail stops there
-with status `rounding_floor`: not an endpoint.
+The rounding floor (stiff tail only, opt-in: `FlowOptions.rounding_floor`): where the
+gradient, evaluated a second time with the product associated the other way, disagrees with
+itself by more than 1/`ROUNDING_RATIO` of its size while the loss is still above rtol × its
+initial value, the tail stops with status `rounding_floor`: not an endpoint. The test is on the
+whole gradient, whose rounding sits mostly in converged directions; it does not show that the
+way out of the plateau is rounding (docs/theory.md §5).
 """
 
 from __future__ import annotations
