@@ -250,6 +250,8 @@ def _summary(name, r):
             f"({apart['converged']} converged, {apart['max_steps']} out of steps, "
             f"{apart.get('rounding_floor', 0)} at the rounding floor)"
         )
+        if "chunk by chunk_over_apart" in sweep:
+            text += f"; chunk by chunk/across chunks = {sweep['chunk by chunk_over_apart']:.3g}×"
         if "batch_over_apart" in sweep:
             text += (
                 f"; tails one at a time/side by side = {sweep['one at a time_over_apart']:.3g}×"

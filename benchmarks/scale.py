@@ -23,6 +23,7 @@ import numpy as np
 
 import gflow
 from gflow.engine import _threads
+from gflow.sweeps import _run as sweep_run
 
 TOP = 5  # the target's rank: the singular values compared
 
@@ -199,13 +200,26 @@ def _flow_time_to_within(problem, init, eps, samples) -> float:
 
 
 @contextlib.contextmanager
+def _chunk_by_chunk():
+    """gflow before a sweep's tails ran across chunks: each chunk's tails side by side, and
+    the next chunk only once the slowest of them is done."""
+    saved = sweep_run.open_chunks
+    sweep_run.open_chunks = lambda cores: 1
+    try:
+        yield
+    finally:
+        sweep_run.open_chunks = saved
+
+
+@contextlib.contextmanager
 def _tails_one_at_a_time():
     """gflow before tails ran side by side: one pending tail at a time, and SciPy's OpenBLAS
     (which jaxlib's factorisations call) with its threads as they are."""
     saved = _threads.available_cores, _threads.ONE_THREAD_UP_TO
     _threads.available_cores, _threads.ONE_THREAD_UP_TO = (lambda: 1), -1
     try:
-        yield
+        with _chunk_by_chunk():
+            yield
     finally:
         _threads.available_cores, _threads.ONE_THREAD_UP_TO = saved
 
@@ -216,7 +230,8 @@ def random_mask_sweep(quick: bool) -> dict:
     stiff tails apart (the default: side by side on the cores, one BLAS thread each) and, on
     the quick grid, side by side with the tails one at a time (BLAS threads as they are) and
     with the tails batched. The quick grid runs once first to compile, so that every mode is
-    timed warm."""
+    timed warm. Both grids also run chunk by chunk (each chunk waiting for its slowest tail
+    before the next starts, as sweeps did before their tails ran across chunks)."""
     depths = [2, 3] if quick else [2, 3, 4, 5]
     alphas = [1e-1, 1e-2] if quick else [1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4]
     spec = dict(
@@ -229,7 +244,10 @@ def random_mask_sweep(quick: bool) -> dict:
     )
     out = {"flows": int(np.prod([len(depths), len(alphas), 4]))}
     results = {}
-    modes = {"apart": ("apart", contextlib.nullcontext)}
+    modes = {
+        "apart": ("apart", contextlib.nullcontext),
+        "chunk by chunk": ("apart", _chunk_by_chunk),
+    }
     if quick:
         modes["one at a time"] = ("apart", _tails_one_at_a_time)
         modes["batch"] = ("batch", contextlib.nullcontext)
@@ -262,7 +280,7 @@ def random_mask_sweep(quick: bool) -> dict:
                 )
             },
         }
-    for mode in ("batch", "one at a time"):
+    for mode in ("batch", "one at a time", "chunk by chunk"):
         if mode in out:
             out[f"{mode}_over_apart"] = out[mode]["wall_s"] / out["apart"]["wall_s"]
             # the target's rank (2) top singular values; below them σ's are init-sized

@@ -479,3 +479,73 @@ def test_a_bad_axis_is_refused_before_the_store_exists(tmp_path, axes, message):
     assert not store.exists()
     with pytest.raises(ValueError, match=message):
         gflow.SweepSpec(axes=axes)
+
+
+STIFF_SPEC = gflow.SweepSpec(
+    axes={"seed": [0, 1]},
+    fixed={"dim": 8, "density": 0.5, "rank": 2, "depth": 3, "alpha": 1e-2},
+    problem="bernoulli",
+    init="gaussian",
+    chunk_size=1,
+)
+
+
+def _chunks_hooked(monkeypatch, first_tails):
+    """Wrap the tails of the first chunk a sweep starts with `first_tails(call, k)`; returns
+    an event set once a later chunk's heads have run."""
+    import threading
+
+    from gflow.sweeps import _run
+
+    later_started, chunks = threading.Event(), []
+    real_init = _run.StartedChunk.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        chunks.append(self)
+        if len(chunks) == 1:
+            assert self.calls, "the first chunk should leave stiff tails pending"
+            self.calls = [first_tails(call, k) for k, call in enumerate(self.calls)]
+        else:
+            later_started.set()
+
+    monkeypatch.setattr(_run.StartedChunk, "__init__", init)
+    return later_started
+
+
+def test_a_chunk_s_pending_tails_do_not_hold_up_the_next_chunk(monkeypatch):
+    """The first chunk's stiff tails wait until the second chunk's heads have run: a sweep
+    that finished chunk by chunk would never get there (the wait fails after 120 s). The
+    grid equals the same points flowed one by one."""
+    later_started = _chunks_hooked(monkeypatch, lambda call, k: _after(later_started, call))
+    ds = gflow.sweep(STIFF_SPEC, progress=False)
+    assert np.all(ds["done"].values)
+    assert np.all(ds["end_phase"].values == int(gflow.Phase.STIFF_TAIL))
+    assert np.all(ds["wall_time_s"].values > 0)
+    problem, model = build(STIFF_SPEC.points()[1], "bernoulli", "gaussian")
+    single = gflow.flow(problem, model)
+    np.testing.assert_allclose(
+        ds.sel(seed=1)["sigma"].values[:2], gflow.singular_values(single.model)[:2], rtol=1e-9
+    )
+
+
+def _after(event, call):
+    def run():
+        assert event.wait(timeout=120), "the next chunk did not start while a tail was pending"
+        return call()
+
+    return run
+
+
+def test_a_failing_tail_stops_the_sweep_with_its_error(monkeypatch):
+    def failing(call, k):
+        def run():
+            if k == 0:
+                raise RuntimeError("tail 0 failed")
+            return call()
+
+        return run
+
+    _chunks_hooked(monkeypatch, failing)
+    with pytest.raises(RuntimeError, match="tail 0 failed"):
+        gflow.sweep(STIFF_SPEC, progress=False)

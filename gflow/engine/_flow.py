@@ -86,44 +86,65 @@ def finish_tails(problem, model, head: FlowResult, options: FlowOptions, depths=
     The tails run `threads` at a time (default: the CPU cores this process may use): a tail
     at a sweep's sizes is a sequence of small factorisations that keeps one core busy, so
     tails side by side use the others (measured in benchmarks/README, `scale`)."""
-    head = jax.tree_util.tree_map(np.asarray, head)
-    pending = np.flatnonzero(head.status == Status.PENDING)
-    if pending.size == 0:
-        return head
-    members = [head.member(i) for i in range(head.status.shape[0])]
-    calls, rows = [], 0
-    for i in pending:  # compiled here, one at a time: threads never compile the same program
-        problem_i = problem
-        if problem.target.ndim == 3:
-            problem_i = jax.tree_util.tree_map(lambda x, i=i: np.asarray(x[i]), problem)
-        depth = model.depth if depths is None else int(depths[i])
-        init = Factorization([np.asarray(w[i]) for w in model.layers[:depth]])
-        # the head as the tail program takes it: unpadded, with a result's own structure
-        unpadded = Factorization(members[i].model.layers[:depth])
-        leaves = jax.tree_util.tree_leaves(eqx.tree_at(lambda r: r.model, members[i], unpadded))
-        start = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(FlowResult.skeleton(init)), leaves
-        )
-        observed = observed_bound(problem_i)
-        compiled, _ = program(
-            "flow-tail",
-            options,
-            (problem_i, init, start),
-            lambda observed=observed: _tail_fn(options, observed),
-            extra=(observed,),
-            out_like=FlowResult.skeleton(init),
-        )
-        calls.append(
-            lambda compiled=compiled, args=(problem_i, init, start): jax.tree_util.tree_map(
-                np.asarray, compiled(*args)
+    tails = PendingTails(problem, model, head, options, depths)
+    with blas_threads_for(tails.rows, side_by_side=threads_for(len(tails.calls), threads)):
+        results = run_concurrently(tails.calls, threads)
+    return tails.assemble(results)
+
+
+class PendingTails:
+    """The stiff tails a batch solved with `defer_tail=True` left pending (`head`, from the
+    initial `model`), as calls to run anywhere, in any order, side by side (`calls`: one per
+    pending member, each returning that member's whole flow; compiled here, in the calling
+    thread, so that threads never compile the same program), and `assemble(results)`, the
+    batch's result from their results in the order of `calls`. `rows`: the largest matrix
+    they factorise (`factorised_rows`)."""
+
+    def __init__(self, problem, model, head: FlowResult, options: FlowOptions, depths=None):
+        self.head = jax.tree_util.tree_map(np.asarray, head)
+        self.depth = model.depth
+        self.pending = np.flatnonzero(self.head.status == Status.PENDING)
+        self.calls, self.rows = [], 0
+        if self.pending.size == 0:
+            return
+        self.members = [self.head.member(i) for i in range(self.head.status.shape[0])]
+        for i in self.pending:
+            problem_i = problem
+            if problem.target.ndim == 3:
+                problem_i = jax.tree_util.tree_map(lambda x, i=i: np.asarray(x[i]), problem)
+            depth = model.depth if depths is None else int(depths[i])
+            init = Factorization([np.asarray(w[i]) for w in model.layers[:depth]])
+            # the head as the tail program takes it: unpadded, with a result's own structure
+            unpadded = Factorization(self.members[i].model.layers[:depth])
+            leaves = jax.tree_util.tree_leaves(
+                eqx.tree_at(lambda r: r.model, self.members[i], unpadded)
             )
-        )
-        rows = max(rows, factorised_rows(init, options, observed))
-    with blas_threads_for(rows, side_by_side=threads_for(len(calls), threads)):
-        results = run_concurrently(calls, threads)
-    for i, full in zip(pending, results, strict=True):
-        members[i] = eqx.tree_at(lambda r: r.model, full, pad_depth(full.model, model.depth))
-    return stack(members)
+            start = jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(FlowResult.skeleton(init)), leaves
+            )
+            observed = observed_bound(problem_i)
+            compiled, _ = program(
+                "flow-tail",
+                options,
+                (problem_i, init, start),
+                lambda observed=observed: _tail_fn(options, observed),
+                extra=(observed,),
+                out_like=FlowResult.skeleton(init),
+            )
+            self.calls.append(
+                lambda compiled=compiled, args=(problem_i, init, start): jax.tree_util.tree_map(
+                    np.asarray, compiled(*args)
+                )
+            )
+            self.rows = max(self.rows, factorised_rows(init, options, observed))
+
+    def assemble(self, results) -> FlowResult:
+        if self.pending.size == 0:
+            return self.head
+        members = list(self.members)
+        for i, full in zip(self.pending, results, strict=True):
+            members[i] = eqx.tree_at(lambda r: r.model, full, pad_depth(full.model, self.depth))
+        return stack(members)
 
 
 def _tail_fn(options, observed):

@@ -1,8 +1,11 @@
-"""Running a sweep: chunk after chunk as vmapped batches, each written to the store when done."""
+"""Running a sweep: chunk after chunk as vmapped batches, their stiff tails side by side across
+chunks, each chunk written to the store when its last tail is done."""
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 
 import jax
@@ -16,66 +19,118 @@ from ..analysis import (
     stable_rank_of,
 )
 from ..analysis._sensitivity import perturb
-from ..engine import Status, stack
-from ..engine._flow import _compiled_solver, finish_tails, flow_blas_threads
+from ..engine import Status, _threads, stack
+from ..engine._flow import PendingTails, _compiled_solver, flow_blas_threads
 from ._build import build_chunk
 from ._spec import SweepSpec, execution_order
 from ._store import _chunk_indices, _open_or_create, _template, write_points
 
 
-def run_chunk(spec: SweepSpec, chosen: list[dict], devices=None, indices=None) -> dict:
-    """Integrate the flows of one chunk (grid points as parameter dicts) as one vmapped batch,
-    padded to `chunk_size` so every chunk of a group shares one compiled program; returns
-    per-point result arrays. With `spec.sensitivity`, the chunk is run again from perturbed
-    inits (keyed by the points' canonical `indices`, so a point's perturbations do not depend
-    on its chunk) and the reproducible digits are added."""
-    n_dev = len(devices) if devices else 1
-    size = -(-spec.chunk_size // n_dev) * n_dev  # every device gets an equal slice
-    padded = chosen + [chosen[-1]] * (size - len(chosen))
-    pad_to = spec.max_depth if spec.pads_depths else None
-    problems, models = build_chunk(padded, spec.problem, spec.init, pad_to)
-    depths = None
-    if pad_to is not None:
-        depths = np.array([int(p["depth"]) for p in padded], dtype=np.int32)
-    compiled, _ = _compiled_solver(
-        problems,
-        models,
-        spec.options,
-        in_axes=(0, 0),
-        devices=devices,
-        depths=depths,
-        defer_tail=spec.tails == "apart",
-    )
+class StartedChunk:
+    """A chunk of grid points (parameter dicts) whose batched heads have run (padded to
+    `chunk_size`, so that every chunk of a group shares one compiled program; with
+    `tails="apart"`, up to where each member's stiff tail would begin; with `sensitivity`,
+    also from the perturbed inits, keyed by the points' canonical `indices`): `calls` are
+    its pending stiff tails, to run anywhere and side by side, and `finish(results)` gives
+    the chunk's per-point arrays from their results (in the order of `calls`). Each point's
+    `wall_time_s` is its share of the heads' time plus its own tails' time."""
 
-    def solve(models):
-        with flow_blas_threads(problems, models, spec.options):
-            args = (problems, models) if depths is None else (problems, models, depths)
-            result = jax.block_until_ready(compiled(*args))  # before the threads are restored
-        if spec.tails == "apart":
+    def __init__(self, spec: SweepSpec, chosen: list[dict], devices=None, indices=None):
+        start = time.perf_counter()
+        self.spec, self.chosen, self.n = spec, chosen, len(chosen)
+        n_dev = len(devices) if devices else 1
+        size = -(-spec.chunk_size // n_dev) * n_dev  # every device gets an equal slice
+        padded = chosen + [chosen[-1]] * (size - len(chosen))
+        pad_to = spec.max_depth if spec.pads_depths else None
+        problems, models = build_chunk(padded, spec.problem, spec.init, pad_to)
+        depths = None
+        if pad_to is not None:
+            depths = np.array([int(p["depth"]) for p in padded], dtype=np.int32)
+        compiled, _ = _compiled_solver(
+            problems,
+            models,
+            spec.options,
+            in_axes=(0, 0),
+            devices=devices,
+            depths=depths,
+            defer_tail=spec.tails == "apart",
+        )
+
+        def head(models):
+            with flow_blas_threads(problems, models, spec.options):
+                args = (problems, models) if depths is None else (problems, models, depths)
+                result = jax.block_until_ready(compiled(*args))  # before the threads are restored
+            if spec.tails != "apart":
+                return _Done(result)
             # Stiff tails finish apart, side by side on the cores: the batch waits for none.
-            result = finish_tails(problems, models, result, spec.options, depths)
-        return jax.block_until_ready(result)
+            return PendingTails(problems, models, result, spec.options, depths)
 
-    n = len(chosen)
-    out = _endpoints(spec, chosen, solve(models), n)
-    if spec.sensitivity:
-        indices = list(range(n)) if indices is None else list(indices)
-        keys = [jax.random.fold_in(jax.random.key(0), i) for i in indices]
-        keys += keys[-1:] * (size - n)
-        runs = [out]
-        for j in range(1, spec.sensitivity + 1):
-            perturbed = stack(
-                [
-                    perturb(_member(models, b), spec.sensitivity_eps, jax.random.fold_in(k, j))
-                    for b, k in enumerate(keys)
-                ]
-            )
-            runs.append(_endpoints(spec, chosen, solve(perturbed), n))
-        out |= _digits(runs)
-    del out["_stable_rank_excess"]
-    steps = out["num_steps"].astype(float)
-    out["batch_efficiency"] = np.full(n, steps.mean() / max(steps.max(), 1.0))
-    return out
+        self.runs = [head(models)]
+        if spec.sensitivity:
+            indices = list(range(self.n)) if indices is None else list(indices)
+            keys = [jax.random.fold_in(jax.random.key(0), i) for i in indices]
+            keys += keys[-1:] * (size - self.n)
+            for j in range(1, spec.sensitivity + 1):
+                perturbed = stack(
+                    [
+                        perturb(_member(models, b), spec.sensitivity_eps, jax.random.fold_in(k, j))
+                        for b, k in enumerate(keys)
+                    ]
+                )
+                self.runs.append(head(perturbed))
+        self.head_time_s = time.perf_counter() - start
+        # each tail timed where it runs, and charged to its member
+        self.calls, self.owners, self.members = [], [], []
+        for run in self.runs:
+            for i, call in zip(run.pending, run.calls, strict=True):
+                self.calls.append(self._timed(call, len(self.calls)))
+                self.owners.append(run)
+                self.members.append(i)
+        self.call_time_s = [0.0] * len(self.calls)
+        self.rows = max([run.rows for run in self.runs], default=0)
+
+    def _timed(self, call, k):
+        def timed():
+            start = time.perf_counter()
+            result = call()
+            self.call_time_s[k] = time.perf_counter() - start
+            return result
+
+        return timed
+
+    def finish(self, results) -> dict:
+        """The per-point arrays of the chunk, from its tails' `results` (in `calls` order)."""
+        mine = {id(run): [] for run in self.runs}
+        for run, result in zip(self.owners, results, strict=True):
+            mine[id(run)].append(result)
+        endpoints = [
+            _endpoints(self.spec, self.chosen, run.assemble(mine[id(run)]), self.n)
+            for run in self.runs
+        ]
+        out = endpoints[0]
+        if self.spec.sensitivity:
+            out |= _digits(endpoints)
+        del out["_stable_rank_excess"]
+        steps = out["num_steps"].astype(float)
+        out["batch_efficiency"] = np.full(self.n, steps.mean() / max(steps.max(), 1.0))
+        tail_time_s = np.zeros(self.n)
+        for i, seconds in zip(self.members, self.call_time_s, strict=True):
+            if i < self.n:  # not padding
+                tail_time_s[i] += seconds
+        out["wall_time_s"] = self.head_time_s / self.n + tail_time_s
+        return out
+
+
+class _Done:
+    """A head with nothing left to run (`tails="batch"`): `PendingTails`' interface."""
+
+    pending, calls, rows = (), (), 0
+
+    def __init__(self, result):
+        self.result = result
+
+    def assemble(self, results):
+        return self.result
 
 
 def _member(models, b):
@@ -148,7 +203,10 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
 
     With `out` (a path ending in `.zarr`), results stream into that store chunk by chunk;
     `resume=True` continues a store left by an interrupted run, recomputing only unfinished
-    chunks. Ctrl-C stops after the chunk in flight is discarded; every finished chunk is kept.
+    chunks. Ctrl-C stops at once, discarding the chunks in flight; every finished chunk is kept.
+    The stiff tails of `tails="apart"` run side by side on the CPU cores across chunks: while a
+    long tail runs, the next chunks' heads and tails go on (at most one chunk more than there
+    are cores in flight), and each chunk is saved as soon as its last tail is done.
     `devices`: spread each batch over these JAX devices (default: all local devices).
     `worker=(k, n)`: one of n independent processes (hosts, Slurm array tasks) sharing the
     store `out`: this one runs the chunks whose index is k mod n (and implies `resume`). Each
@@ -172,26 +230,37 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
     todo = [idx for idx in mine if not done[idx].all()]
     total = sum(len(idx) for idx in mine)
     bar = _progress(len(todo), total - sum(len(idx) for idx in todo), total, progress)
+
+    def save(idx, res):
+        res["run_id"] = np.full(len(idx), run_id, dtype=np.int64)
+        if out is None:
+            where = np.unravel_index(idx, spec.shape)
+            for name, values in res.items():
+                ds[name].values[where] = values
+            ds["done"].values[where] = True
+        else:
+            write_points(out, spec, idx, res)
+        bar.update(len(idx))
+
+    cores = _threads.available_cores()
+    pool = _TailPool(cores, open_chunks=open_chunks(cores))
     try:
-        for idx in todo:
-            start = time.perf_counter()
-            res = run_chunk(spec, [points[i] for i in idx], devices, idx)
-            wall = time.perf_counter() - start
-            res["wall_time_s"] = np.full(len(idx), wall / len(idx))
-            res["run_id"] = np.full(len(idx), run_id, dtype=np.int64)
-            if out is None:
-                where = np.unravel_index(idx, spec.shape)
-                for name, values in res.items():
-                    ds[name].values[where] = values
-                ds["done"].values[where] = True
-            else:
-                write_points(out, spec, idx, res)
-            bar.update(len(idx))
+        # Tails side by side, across chunks too: one BLAS thread each (`_threads`).
+        with _threads.blas_threads(1 if cores > 1 else None):
+            for idx in todo:
+                pool.wait_for_room(save)
+                pool.submit(idx, StartedChunk(spec, [points[i] for i in idx], devices, idx))
+                pool.save_finished(save, block=False)
+            pool.save_finished(save, block=True)
     except KeyboardInterrupt:
+        pool.close()
         bar.close()
         print(
             f"gflow sweep: interrupted; finished chunks are saved{' in ' + str(out) if out else ''}"
         )
+        raise
+    except BaseException:
+        pool.close()
         raise
     bar.close()
     if out is not None:
@@ -211,3 +280,79 @@ def _progress(chunks, already, total, enabled):
         smoothing=0.1,
     )
     return bar
+
+
+def open_chunks(cores: int) -> int:
+    """Chunks a sweep keeps in flight: one more than the cores, so that a core freed by a
+    finished tail finds the next chunk's tails ready (with 1, a sweep would finish chunk by
+    chunk, each waiting for its slowest tail: `scale` benchmarks both)."""
+    return cores + 1
+
+
+class _TailPool:
+    """The stiff tails of started chunks (`StartedChunk.calls`), run on `threads` daemon
+    threads (so that Ctrl-C or an error reaches the caller at once) whatever chunk they
+    belong to; a chunk is finished, in the calling thread, once its last tail is done. At most
+    `open_chunks` chunks are in flight: `wait_for_room` saves finished ones until there is
+    room for the next."""
+
+    def __init__(self, threads: int, open_chunks: int):
+        self.todo, self.finished = queue.Queue(), queue.Queue()
+        self.lock = threading.Lock()
+        self.open, self.open_chunks, self.closed = 0, open_chunks, False
+        for _ in range(threads):
+            threading.Thread(target=self._work, daemon=True).start()
+
+    def submit(self, idx, chunk: StartedChunk):
+        self.open += 1
+        if not chunk.calls:
+            self.finished.put((idx, chunk, [], None))
+            return
+        state = {"left": len(chunk.calls), "results": [None] * len(chunk.calls)}
+        for j, call in enumerate(chunk.calls):
+            self.todo.put((idx, chunk, state, j, call))
+
+    def _work(self):
+        while True:
+            idx, chunk, state, j, call = self.todo.get()
+            if self.closed:
+                continue
+            error = None
+            try:
+                state["results"][j] = call()
+            except BaseException as e:  # handed to the caller, which raises it
+                error = e
+            with self.lock:
+                state["left"] -= 1
+                last = state["left"] == 0
+            if error is not None or last:
+                self.finished.put((idx, chunk, state["results"], error))
+
+    def save_finished(self, save, block: bool):
+        """Finish and `save(idx, per-point arrays)` every chunk whose tails are done; with
+        `block`, wait until no chunk is in flight."""
+        while self.open > 0:
+            if not self._save_next(save, wait=block) and not block:
+                return
+
+    def wait_for_room(self, save):
+        while self.open >= self.open_chunks:
+            self._save_next(save, wait=True)
+
+    def _save_next(self, save, wait: bool) -> bool:
+        """Finish and save the next finished chunk, if there is one (waiting up to 0.2 s, so
+        that a wait never holds up Ctrl-C); raise the error of a tail that failed."""
+        try:
+            item = self.finished.get(timeout=0.2) if wait else self.finished.get_nowait()
+        except queue.Empty:
+            return False
+        idx, chunk, results, error = item
+        if error is not None:
+            raise error
+        self.open -= 1
+        save(idx, chunk.finish(results))
+        return True
+
+    def close(self):
+        """Start no further tail (those running finish on their daemon threads)."""
+        self.closed = True
