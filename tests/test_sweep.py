@@ -517,8 +517,15 @@ def test_a_chunk_s_pending_tails_do_not_hold_up_the_next_chunk(monkeypatch):
     """The first chunk's stiff tails wait until the second chunk's heads have run: a sweep
     that finished chunk by chunk would never get there (the wait fails after 120 s). The
     grid equals the same points flowed one by one."""
+    import threading
+
     later_started = _chunks_hooked(monkeypatch, lambda call, k: _after(later_started, call))
     ds = gflow.sweep(STIFF_SPEC, progress=False)
+    tail_threads = lambda: [t for t in threading.enumerate() if t.name == "gflow-tails"]
+    deadline = time.monotonic() + 10
+    while tail_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not tail_threads()  # the sweep's tail threads have ended
     assert np.all(ds["done"].values)
     assert np.all(ds["end_phase"].values == int(gflow.Phase.STIFF_TAIL))
     assert np.all(ds["wall_time_s"].values > 0)

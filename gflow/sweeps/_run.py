@@ -253,15 +253,13 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
                 pool.save_finished(save, block=False)
             pool.save_finished(save, block=True)
     except KeyboardInterrupt:
-        pool.close()
         bar.close()
         print(
             f"gflow sweep: interrupted; finished chunks are saved{' in ' + str(out) if out else ''}"
         )
         raise
-    except BaseException:
+    finally:
         pool.close()
-        raise
     bar.close()
     if out is not None:
         ds = xr.open_zarr(out, consolidated=False).load()
@@ -300,8 +298,9 @@ class _TailPool:
         self.todo, self.finished = queue.Queue(), queue.Queue()
         self.lock = threading.Lock()
         self.open, self.open_chunks, self.closed = 0, open_chunks, False
+        self.threads = threads
         for _ in range(threads):
-            threading.Thread(target=self._work, daemon=True).start()
+            threading.Thread(target=self._work, name="gflow-tails", daemon=True).start()
 
     def submit(self, idx, chunk: StartedChunk):
         self.open += 1
@@ -314,7 +313,10 @@ class _TailPool:
 
     def _work(self):
         while True:
-            idx, chunk, state, j, call = self.todo.get()
+            task = self.todo.get()
+            if task is None:  # closed: the thread ends
+                return
+            idx, chunk, state, j, call = task
             if self.closed:
                 continue
             error = None
@@ -354,5 +356,7 @@ class _TailPool:
         return True
 
     def close(self):
-        """Start no further tail (those running finish on their daemon threads)."""
+        """Start no further tail; each thread ends once the tail it runs (if any) is done."""
         self.closed = True
+        for _ in range(self.threads):
+            self.todo.put(None)
