@@ -87,7 +87,6 @@ class StartedChunk:
                 self.owners.append(run)
                 self.members.append(i)
         self.call_time_s = [0.0] * len(self.calls)
-        self.rows = max([run.rows for run in self.runs], default=0)
 
     def _timed(self, call, k):
         def timed():
@@ -124,7 +123,7 @@ class StartedChunk:
 class _Done:
     """A head with nothing left to run (`tails="batch"`): `PendingTails`' interface."""
 
-    pending, calls, rows = (), (), 0
+    pending, calls = (), ()
 
     def __init__(self, result):
         self.result = result
