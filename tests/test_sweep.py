@@ -556,3 +556,22 @@ def test_a_failing_tail_stops_the_sweep_with_its_error(monkeypatch):
     _chunks_hooked(monkeypatch, failing)
     with pytest.raises(RuntimeError, match="tail 0 failed"):
         gflow.sweep(STIFF_SPEC, progress=False)
+
+
+def test_a_process_that_exits_right_after_a_sweep_exits_cleanly():
+    """The sweep's tail threads have ended when it returns: one still freeing its programs
+    and arrays while the interpreter exited aborted the process (exit 134)."""
+    script = textwrap.dedent(
+        f"""
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        import gflow
+        import json
+        spec = gflow.SweepSpec.from_dict(json.loads({STIFF_SPEC.to_json()!r}))
+        gflow.sweep(spec, progress=False)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

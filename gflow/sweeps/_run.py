@@ -60,9 +60,8 @@ class StartedChunk:
             with flow_blas_threads(problems, models, spec.options):
                 args = (problems, models) if depths is None else (problems, models, depths)
                 result = jax.block_until_ready(compiled(*args))  # before the threads are restored
-            if spec.tails != "apart":
-                return _Done(result)
-            # Stiff tails finish apart, side by side on the cores: the batch waits for none.
+            # With tails="apart", stiff tails finish apart, side by side on the cores: the
+            # batch waits for none (with "batch", none is pending).
             return PendingTails(problems, models, result, spec.options, depths)
 
         self.runs = [head(models)]
@@ -118,18 +117,6 @@ class StartedChunk:
                 tail_time_s[i] += seconds
         out["wall_time_s"] = self.head_time_s / self.n + tail_time_s
         return out
-
-
-class _Done:
-    """A head with nothing left to run (`tails="batch"`): `PendingTails`' interface."""
-
-    pending, calls = (), ()
-
-    def __init__(self, result):
-        self.result = result
-
-    def assemble(self, results):
-        return self.result
 
 
 def _member(models, b):
@@ -252,13 +239,16 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
                 pool.save_finished(save, block=False)
             pool.save_finished(save, block=True)
     except KeyboardInterrupt:
+        pool.close(wait=False)  # a tail in flight is not waited for
         bar.close()
         print(
             f"gflow sweep: interrupted; finished chunks are saved{' in ' + str(out) if out else ''}"
         )
         raise
-    finally:
-        pool.close()
+    except BaseException:
+        pool.close(wait=False)
+        raise
+    pool.close(wait=True)
     bar.close()
     if out is not None:
         ds = xr.open_zarr(out, consolidated=False).load()
@@ -297,9 +287,12 @@ class _TailPool:
         self.todo, self.finished = queue.Queue(), queue.Queue()
         self.lock = threading.Lock()
         self.open, self.open_chunks, self.closed = 0, open_chunks, False
-        self.threads = threads
-        for _ in range(threads):
-            threading.Thread(target=self._work, name="gflow-tails", daemon=True).start()
+        self.threads = [
+            threading.Thread(target=self._work, name="gflow-tails", daemon=True)
+            for _ in range(threads)
+        ]
+        for thread in self.threads:
+            thread.start()
 
     def submit(self, idx, chunk: StartedChunk):
         self.open += 1
@@ -354,8 +347,13 @@ class _TailPool:
         save(idx, chunk.finish(results))
         return True
 
-    def close(self):
-        """Start no further tail; each thread ends once the tail it runs (if any) is done."""
+    def close(self, wait: bool):
+        """Start no further tail; each thread ends once the tail it runs (if any) is done. With
+        `wait`, return once they have ended: a thread still tearing down (freeing the compiled
+        programs and arrays it held) while the interpreter exits aborts the process."""
         self.closed = True
-        for _ in range(self.threads):
+        for _ in self.threads:
             self.todo.put(None)
+        if wait:
+            for thread in self.threads:
+                thread.join()
