@@ -99,6 +99,12 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
         help="stop the stiff tail early where its gradient is mostly float64 rounding on a "
         "plateau (status rounding_floor: not an endpoint)",
     )
+    g.add_argument(
+        "--rounding-allowance",
+        action="store_true",
+        help="widen the stiff tail's step tolerance by the float64 rounding in the gradient "
+        "(much faster on some plateaus; off by default: docs/theory.md section 5)",
+    )
     g.add_argument("--t-max", type=_float_or_inf, default=FLOW_DEFAULTS.t_max)
     g.add_argument("--max-steps", type=int, default=FLOW_DEFAULTS.max_steps)
     g.add_argument("--clock", choices=list(CLOCKS), default=FLOW_DEFAULTS.clock)
@@ -175,6 +181,7 @@ def cmd_run(args) -> int:
         atol=args.atol,
         tail_rtol=args.tail_rtol,
         rounding_floor=args.rounding_floor,
+        rounding_allowance=args.rounding_allowance,
         t_max=args.t_max,
         max_steps=args.max_steps,
         clock=args.clock,

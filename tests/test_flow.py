@@ -339,6 +339,10 @@ def test_options_are_checked_not_rewritten_and_take_a_diffrax_solver():
         gflow.FlowOptions(solver="rodas4", rounding_floor=True)
     with pytest.raises(ValueError, match="rounding_floor must be True or False"):
         gflow.FlowOptions(rounding_floor="yes")
+    with pytest.raises(ValueError, match="rounding_allowance widens the stiff tail"):
+        gflow.FlowOptions(solver="tsit5", rounding_allowance=True)
+    with pytest.raises(ValueError, match="rounding_allowance must be True or False"):
+        gflow.FlowOptions(rounding_allowance=1)
     problem, model = gflow.diagonal(3), gflow.identity_family(3, 2, 0.1, 4.0)
     named = gflow.flow(problem, model, solver="euler", dt=0.05)
     given = gflow.flow(problem, model, solver=diffrax.Euler(), dt=0.05)

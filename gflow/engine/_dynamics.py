@@ -43,6 +43,26 @@ def rms(x, model, layer_mask):
     return jnp.sqrt(jnp.sum(weights * x**2) / jnp.sum(weights))
 
 
+def gradient_rounding(model: Factorization, problem, layer_mask) -> Factorization:
+    """A bound, per parameter, on the float rounding in the computed gradient: the unit roundoff
+    times the gradient formula evaluated on absolute values, ε·|A_l|ᵀ ρ |B_l|ᵀ with A_l, B_l
+    the products of |W| above and below layer l and ρ = |R| + M∘(|X*| + 2·|W_L|⋯|W_1|) (the
+    residual and what rounding in X and in X − X* adds to it). Where the true gradient is a
+    cancellation of such terms (directions the flow has converged in, or the symmetries of the
+    factorisation) the computed one is this rounding and nothing else."""
+    absolute = tuple(jnp.abs(w) for w in model.layers)
+    envelope = Factorization(absolute).product()
+    rho = jnp.abs(problem.residual(model.product())) + problem.mask * (
+        jnp.abs(problem.target) + 2.0 * envelope
+    )
+    _, pullback = jax.vjp(lambda layers: Factorization(layers).product(), absolute)
+    (bound,) = pullback(rho.astype(envelope.dtype))
+    eps = jnp.finfo(envelope.dtype).eps
+    if layer_mask is None:
+        return Factorization(tuple(eps * b for b in bound))
+    return Factorization(tuple(eps * b * layer_mask[i] for i, b in enumerate(bound)))
+
+
 def physical_rates(y, problem, layer_mask):
     """dy/dt in physical time, with the loss and gradient it came from."""
     loss, g = masked_loss_and_gradient(y["model"], problem, layer_mask)

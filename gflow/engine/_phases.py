@@ -16,6 +16,7 @@ import optimistix as optx
 from ..model import tree_dot
 from ._dynamics import (
     FieldArgs,
+    gradient_rounding,
     loss_clock_field,
     loss_clock_rates,
     loss_time_scale,
@@ -109,13 +110,24 @@ class Setup(eqx.Module):
 
 
 class FiniteErrorPID(diffrax.PIDController):
-    """A PID controller that treats an overflowing trial step as a plain rejection.
+    """A PID controller that treats an overflowing trial step as a plain rejection, and that
+    can leave out of a step's error what rounding in the vector field puts there.
 
-    diffrax's controller computes the next step from the error norm; a trial step that
-    overflows (large α: the polynomial vector field explodes before the controller has
-    learned the step size) gives inf − inf = nan there, and a nan step size never recovers.
-    Here a non-finite candidate counts as an infinite error, so the step shrinks instead.
+    - diffrax's controller computes the next step from the error norm; a trial step that
+      overflows (large α: the polynomial vector field explodes before the controller has
+      learned the step size) gives inf − inf = nan there, and a nan step size never recovers.
+      Here a non-finite candidate counts as an infinite error, so the step shrinks instead.
+    - `rounding_gain` κ > 0 (physical time only): each parameter's tolerance is widened by
+      κ·h·δg, δg the bound on the rounding in its gradient component (`gradient_rounding`)
+      and κ the factor by which the solver's error estimate can amplify rounding in its stage
+      evaluations. In a direction where the true gradient vanishes (a converged direction or
+      a symmetry of the factorisation) the error estimate is h × rounding: a smaller step
+      does not make it smaller relative to the work (more steps carry the same rounding),
+      and without this the controller pins h where h·δg meets the tolerance: a plateau at
+      t ~ 1e10 then takes 95k steps instead of 3.7k (docs/theory.md §5).
     """
+
+    rounding_gain: float = 0.0
 
     def adapt_step_size(
         self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
@@ -127,9 +139,27 @@ class FiniteErrorPID(diffrax.PIDController):
         y_error = jax.tree_util.tree_map(
             lambda e: jnp.where(finite & jnp.isfinite(e), e, jnp.inf), y_error
         )
+        if self.rounding_gain > 0 and isinstance(args, FieldArgs) and not args.loss_clock:
+            y_error = self._without_rounding(t1 - t0, y0, y1_candidate, args, y_error)
         return super().adapt_step_size(
             t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
         )
+
+    def _without_rounding(self, h, y0, y1, args, y_error):
+        """The model's error rescaled so that diffrax's norm of it reads |e| against
+        atol + rtol·|y| + κ·h·δg instead of atol + rtol·|y|."""
+        rounding = gradient_rounding(y0["model"], args.problem, args.layer_mask)
+
+        def rescale(e, a, b, delta):
+            tolerance = self.atol + self.rtol * jnp.maximum(jnp.abs(a), jnp.abs(b))
+            # not e·tol/(tol + …): a near-singular stage can make y1 and tol ~1e235, whose
+            # product overflows to inf/inf = nan, and a nan step size never recovers
+            return e / (1.0 + self.rounding_gain * jnp.abs(h) * delta / tolerance)
+
+        model = jax.tree_util.tree_map(
+            rescale, y_error["model"], y0["model"], y1["model"], rounding
+        )
+        return {**y_error, "model": model}
 
 
 def rhs_evals_per_step(solver) -> int:

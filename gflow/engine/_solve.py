@@ -34,7 +34,7 @@ from ._phases import (
     summary,
 )
 from ._result import FlowResult, Phase, Status, Trajectory
-from ._rosenbrock import Rodas4
+from ._rosenbrock import TABLEAUS, Rodas4, rounding_gain
 from ._stopping import default_atol
 
 
@@ -191,20 +191,21 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
     atol = options.atol if options.atol is not None else default_atol(model, rtol, layer_mask)
     norm = {} if layer_mask is None else {"norm": MaskedRMS(layer_mask)}
 
-    def controller(rtol, atol):
+    def controller(rtol, atol, rounding_gain=0.0):
         if options.fixed_step:
             return diffrax.ConstantStepSize()
-        return FiniteErrorPID(rtol=rtol, atol=atol, **norm)
+        return FiniteErrorPID(rtol=rtol, atol=atol, rounding_gain=rounding_gain, **norm)
 
     tail_rtol = rtol if options.tail_rtol is None else options.tail_rtol
     tail_tolerance = (tail_rtol, atol * (tail_rtol / rtol))
+    tail_gain = rounding_gain(TABLEAUS[options.rosenbrock]) if options.rounding_allowance else 0.0
     return Setup(
         problem=problem,
         layer_mask=layer_mask,
         rtol=rtol,
         atol=atol,
         controller=controller(rtol, atol),
-        tail_controller=controller(*tail_tolerance),
+        tail_controller=controller(*tail_tolerance, tail_gain),
         tail_tolerance=tail_tolerance,
         t_max=jnp.asarray(options.t_max, model.layers[0].dtype),
         loss_floor=rtol * problem.loss(model.product()),
