@@ -625,21 +625,12 @@ def test_the_rounding_gain_is_what_the_error_estimate_makes_of_stage_rounding():
 def _gradient_extended(layers, target, mask):
     """The gradient of ½‖M∘(X − X*)‖² in NumPy's extended precision (64-bit significand on
     x86: rounding 2048× below float64's), the layers taken exactly as given."""
+    from gflow.model import partial_products
+
     ws = [np.asarray(w, np.longdouble) for w in layers]
-    x = ws[-1]
-    for w in reversed(ws[:-1]):
-        x = x @ w
-    r = np.asarray(mask, np.longdouble) * (x - np.asarray(target, np.longdouble))
-    grads = []
-    for i in range(len(ws)):
-        below = np.eye(ws[0].shape[1], dtype=np.longdouble)
-        for w in ws[:i]:
-            below = w @ below
-        above = np.eye(ws[-1].shape[0], dtype=np.longdouble)
-        for w in ws[i + 1 :]:
-            above = w @ above
-        grads.append(above.T @ r @ below.T)
-    return grads
+    below, above = partial_products(ws)  # NumPy layers: NumPy (extended) products
+    r = np.asarray(mask, np.longdouble) * (above[0] @ ws[0] - np.asarray(target, np.longdouble))
+    return [a.T @ r @ b.T for a, b in zip(above, below, strict=True)]
 
 
 @pytest.mark.skipif(np.finfo(np.longdouble).eps > 1e-18, reason="needs extended precision")

@@ -191,10 +191,10 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
     atol = options.atol if options.atol is not None else default_atol(model, rtol, layer_mask)
     norm = {} if layer_mask is None else {"norm": MaskedRMS(layer_mask)}
 
-    def controller(rtol, atol, rounding_gain=0.0):
+    def controller(rtol, atol, gain=0.0):
         if options.fixed_step:
             return diffrax.ConstantStepSize()
-        return FiniteErrorPID(rtol=rtol, atol=atol, rounding_gain=rounding_gain, **norm)
+        return FiniteErrorPID(rtol=rtol, atol=atol, rounding_gain=gain, **norm)
 
     tail_rtol = rtol if options.tail_rtol is None else options.tail_rtol
     tail_tolerance = (tail_rtol, atol * (tail_rtol / rtol))
