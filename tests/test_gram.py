@@ -163,3 +163,41 @@ def test_batched_gauss_newton_tail_equals_single_flows(cg_case):
         np.testing.assert_allclose(
             np.asarray(member.model.product()), np.asarray(single.model.product()), atol=1e-9
         )
+
+
+def test_cg_started_from_the_previous_step_lands_on_the_same_endpoint(cg_case, monkeypatch):
+    """Where the Gauss–Newton preconditioner is large, each stage's CG also starts from the
+    previous step's stage solutions: forced here at |Ω| ≤ 64, the tail takes a different
+    number of CG iterations and ends on the same endpoint (the engine's `solve` under a plain
+    jit: gflow's program caches key on options, which do not change)."""
+    from gflow.engine import _solve
+    from gflow.engine._flow import observed_bound
+
+    problem, init, _ = cg_case
+    options = gflow.FlowOptions()
+    observed = observed_bound(problem)
+    run = lambda: jax.jit(lambda p, m: _solve.solve(p, m, options, observed=observed))(
+        problem, init
+    )
+    default = run()
+    monkeypatch.setattr(_solve, "PREVIOUS_START_MIN_OBSERVED", 0)
+    previous = run()
+    for result in (default, previous):
+        assert result.status_label == "converged" and "stiff tail" in result.work()
+    iters = [r.work()["stiff tail"]["linear_iters"] for r in (default, previous)]
+    assert iters[0] != iters[1]
+    np.testing.assert_allclose(
+        np.asarray(previous.model.product()), np.asarray(default.model.product()), atol=1e-9
+    )
+    setup = _solve._setup(problem, init, options, None)
+    starts = [
+        _solve._solvers(options, setup, None, n)["stiff"].stage_start
+        for n in (observed, _solve.PREVIOUS_START_MIN_OBSERVED)
+    ]
+    assert starts == ["previous", "previous"]
+    monkeypatch.undo()
+    starts = [
+        _solve._solvers(options, setup, None, n)["stiff"].stage_start
+        for n in (observed, _solve.PREVIOUS_START_MIN_OBSERVED)
+    ]
+    assert starts == ["stages", "previous"]

@@ -141,8 +141,11 @@ class FlowResult(eqx.Module):
     - `loss`, `loss_init`: the loss at the end and at the start.
     - `num_steps`, `num_accepted_steps`, `num_rejected_steps`, `num_rhs_evals`: solver work;
       RHS evaluations count every gradient evaluation, the stopping rule's included.
-    - `num_linear_iters`: conjugate-gradient iterations (Hessian-vector products) of the
-      Rosenbrock phases, 0 when they ran with dense linear algebra or did not run;
+    - `num_linear_iters`: conjugate-gradient iterations (a Hessian-vector product and a
+      preconditioner application each) of the Rosenbrock phases, 0 when they ran with dense
+      linear algebra or did not run (with a Gauss–Newton preconditioner of ≥ 1,024 observed
+      entries each CG step also spends six Hessian-vector products, uncounted, on starting its
+      stages' CG from the previous step's stage solutions);
       `num_factorizations`: their dense factorisations or preconditioner builds. Both count
       accepted steps only: diffrax keeps no solver state from a rejected step, so its linear
       algebra goes uncounted (`num_rejected_steps` says how many steps that is).
