@@ -226,7 +226,7 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
 PREVIOUS_START_MIN_OBSERVED = 1024
 
 
-def _costly(structured) -> bool:
+def _starts_from_previous_step(structured) -> bool:
     return structured is not None and structured.size >= PREVIOUS_START_MIN_OBSERVED
 
 
@@ -242,7 +242,7 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
         batch_axis=batch_axis,
         linear_solver=options.linear_solver,
         tableau=options.rosenbrock,
-        stage_start="previous" if _costly(structured) else "stages",
+        stage_start="previous" if _starts_from_previous_step(structured) else "stages",
         step_tolerance=setup.tail_tolerance,
         symmetric=True,
         passive=("energy",),
