@@ -58,9 +58,8 @@ def gradient_rounding(model: Factorization, problem, layer_mask) -> Factorizatio
     _, pullback = jax.vjp(lambda layers: Factorization(layers).product(), absolute)
     (bound,) = pullback(rho.astype(envelope.dtype))
     eps = jnp.finfo(envelope.dtype).eps
-    if layer_mask is None:
-        return Factorization(tuple(eps * b for b in bound))
-    return Factorization(tuple(eps * b * layer_mask[i] for i, b in enumerate(bound)))
+    weights = [1.0] * model.depth if layer_mask is None else list(layer_mask)
+    return Factorization(tuple(eps * w * b for w, b in zip(weights, bound, strict=True)))
 
 
 def physical_rates(y, problem, layer_mask):
