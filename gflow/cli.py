@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .engine import FlowOptions
-from .engine._options import CLOCKS
+from .engine._options import CLOCKS, TAIL_SCALES
 from .sweeps._spec import DEFAULTS
 
 EXAMPLE_SWEEP = Path(__file__).parent / "configs" / "sweep_example.toml"
@@ -92,6 +92,13 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="the stiff tail's step rtol (default: --rtol); the stopping rule keeps --rtol",
+    )
+    g.add_argument(
+        "--tail-scale",
+        choices=list(TAIL_SCALES),
+        default=FLOW_DEFAULTS.tail_scale,
+        help="what the stiff tail's step error is relative to: each layer's RMS entry "
+        "where an entry is smaller (layer, default) or each entry alone (entry)",
     )
     g.add_argument(
         "--rounding-floor",
@@ -180,6 +187,7 @@ def cmd_run(args) -> int:
         rtol=args.rtol,
         atol=args.atol,
         tail_rtol=args.tail_rtol,
+        tail_scale=args.tail_scale,
         rounding_floor=args.rounding_floor,
         rounding_allowance=args.rounding_allowance,
         t_max=args.t_max,

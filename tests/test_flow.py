@@ -339,6 +339,8 @@ def test_options_are_checked_not_rewritten_and_take_a_diffrax_solver():
         gflow.FlowOptions(solver="rodas4", rounding_floor=True)
     with pytest.raises(ValueError, match="rounding_floor must be True or False"):
         gflow.FlowOptions(rounding_floor="yes")
+    with pytest.raises(ValueError, match="unknown tail_scale 'rms'"):
+        gflow.FlowOptions(tail_scale="rms")
     with pytest.raises(ValueError, match="rounding_allowance widens the stiff tail"):
         gflow.FlowOptions(solver="tsit5", rounding_allowance=True)
     with pytest.raises(ValueError, match="rounding_allowance must be True or False"):

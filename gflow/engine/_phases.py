@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optimistix as optx
 
-from ..model import tree_dot
+from ..model import Factorization, tree_dot
 from ._dynamics import (
     FieldArgs,
     gradient_rounding,
@@ -128,6 +128,7 @@ class FiniteErrorPID(diffrax.PIDController):
     """
 
     rounding_gain: float = 0.0
+    layer_scale: bool = False
 
     def adapt_step_size(
         self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
@@ -139,27 +140,40 @@ class FiniteErrorPID(diffrax.PIDController):
         y_error = jax.tree_util.tree_map(
             lambda e: jnp.where(finite & jnp.isfinite(e), e, jnp.inf), y_error
         )
-        if self.rounding_gain > 0 and isinstance(args, FieldArgs) and not args.loss_clock:
-            y_error = self._without_rounding(t1 - t0, y0, y1_candidate, args, y_error)
+        widened = self.rounding_gain > 0 or self.layer_scale
+        if widened and isinstance(args, FieldArgs) and not args.loss_clock:
+            y_error = self._widened(t1 - t0, y0, y1_candidate, args, y_error)
         return super().adapt_step_size(
             t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
         )
 
-    def _without_rounding(self, h, y0, y1, args, y_error):
-        """The model's error rescaled so that diffrax's norm of it reads |e| against
-        atol + rtol·|y| + κ·h·δg instead of atol + rtol·|y|."""
-        rounding = gradient_rounding(y0["model"], args.problem, args.layer_mask)
+    def _widened(self, h, y0, y1, args, y_error):
+        """The model's error rescaled so that diffrax's norm of it reads |e| against the
+        widened tolerance atol + rtol·max(|y|, s_l) + κ·h·δg instead of atol + rtol·|y|
+        (s_l: the RMS entry of the layer at the step's start, with `layer_scale`)."""
+        rounding = None
+        if self.rounding_gain > 0:
+            rounding = gradient_rounding(y0["model"], args.problem, args.layer_mask).layers
 
         def rescale(e, a, b, delta):
-            tolerance = self.atol + self.rtol * jnp.maximum(jnp.abs(a), jnp.abs(b))
-            # not e·tol/(tol + …): a near-singular stage can make y1 and tol ~1e235, whose
-            # product overflows to inf/inf = nan, and a nan step size never recovers
-            return e / (1.0 + self.rounding_gain * jnp.abs(h) * delta / tolerance)
+            size = jnp.maximum(jnp.abs(a), jnp.abs(b))
+            tolerance = self.atol + self.rtol * size
+            # wide/tolerance, never e·tolerance/wide: a near-singular stage can make y1 and
+            # the tolerance ~1e235, whose product overflows, and a nan step never recovers
+            ratio = 1.0
+            if self.layer_scale:
+                scale = jnp.sqrt(jnp.mean(a**2))
+                ratio = (self.atol + self.rtol * jnp.maximum(size, scale)) / tolerance
+            if delta is not None:
+                ratio = ratio + self.rounding_gain * jnp.abs(h) * delta / tolerance
+            return e / ratio
 
-        model = jax.tree_util.tree_map(
-            rescale, y_error["model"], y0["model"], y1["model"], rounding
-        )
-        return {**y_error, "model": model}
+        layers = zip(y_error["model"].layers, y0["model"].layers, y1["model"].layers, strict=True)
+        model = [
+            rescale(e, a, b, None if rounding is None else rounding[i])
+            for i, (e, a, b) in enumerate(layers)
+        ]
+        return {**y_error, "model": Factorization(tuple(model))}
 
 
 def rhs_evals_per_step(solver) -> int:

@@ -191,10 +191,12 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
     atol = options.atol if options.atol is not None else default_atol(model, rtol, layer_mask)
     norm = {} if layer_mask is None else {"norm": MaskedRMS(layer_mask)}
 
-    def controller(rtol, atol, gain=0.0):
+    def controller(rtol, atol, gain=0.0, layer_scale=False):
         if options.fixed_step:
             return diffrax.ConstantStepSize()
-        return FiniteErrorPID(rtol=rtol, atol=atol, rounding_gain=gain, **norm)
+        return FiniteErrorPID(
+            rtol=rtol, atol=atol, rounding_gain=gain, layer_scale=layer_scale, **norm
+        )
 
     tail_rtol = rtol if options.tail_rtol is None else options.tail_rtol
     tail_tolerance = (tail_rtol, atol * (tail_rtol / rtol))
@@ -205,7 +207,7 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
         rtol=rtol,
         atol=atol,
         controller=controller(rtol, atol),
-        tail_controller=controller(*tail_tolerance, tail_gain),
+        tail_controller=controller(*tail_tolerance, tail_gain, options.tail_scale == "layer"),
         tail_tolerance=tail_tolerance,
         t_max=jnp.asarray(options.t_max, model.layers[0].dtype),
         loss_floor=rtol * problem.loss(model.product()),
