@@ -16,6 +16,7 @@ import xarray as xr
 
 import gflow
 from gflow.sweeps._build import build, build_chunk
+from gflow.sweeps._store import spec_differences
 
 SPEC = gflow.SweepSpec(
     axes={"depth": [2, 3], "alpha": [0.1, 1e-2, 1e-3], "m": [4.0, math.inf]},
@@ -186,6 +187,18 @@ def test_existing_store_needs_resume_and_resume_is_a_no_op(small_sweep):
     again = gflow.sweep(SPEC, out, resume=True, progress=False)
     assert gflow.compile_count() == before  # nothing recomputed
     assert np.all(again["done"].values)
+
+
+def test_resuming_with_other_settings_names_what_changed(small_sweep):
+    _, out, _ = small_sweep
+    changed = dataclasses.replace(SPEC, options=gflow.FlowOptions(tail_scale="entry"))
+    with pytest.raises(ValueError, match="options.tail_scale: 'layer' → 'entry'"):
+        gflow.sweep(changed, out, resume=True, progress=False)
+    stored = json.loads(SPEC.to_json())
+    del stored["options"]["tail_scale"]  # a store from before the option existed
+    assert spec_differences(json.dumps(stored), SPEC.to_json()) == [
+        "options.tail_scale: '(absent)' → 'layer'"
+    ]
 
 
 def test_table_export(small_sweep, tmp_path):

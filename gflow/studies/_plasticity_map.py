@@ -28,6 +28,7 @@ from ..descent import DescentOptions, descend_batch
 from ..engine import FlowOptions, Status, flow_batch, stack
 from ..inits import gaussian, identity_family
 from ..problem import Problem, bernoulli
+from ..sweeps._store import spec_differences
 from ._plasticity import _flat, connected_superset_mask
 
 INITS = ("gaussian", "identity")
@@ -457,8 +458,14 @@ def _open_or_create(path, spec: PlasticityMapSpec, resume: bool):
         if not resume:
             raise FileExistsError(f"{path} exists: pass resume=True (--resume) to continue it")
         ds = xr.open_zarr(path, consolidated=False)
-        if ds.attrs.get("layout") != LAYOUT or ds.attrs.get("spec") != spec.to_json():
-            raise ValueError(f"{path} holds a different plasticity map; use another path")
+        if ds.attrs.get("layout") != LAYOUT:
+            raise ValueError(f"{path} holds a plasticity map of an older layout; use another path")
+        if ds.attrs.get("spec") != spec.to_json():
+            changes = "; ".join(spec_differences(ds.attrs.get("spec") or "{}", spec.to_json()))
+            raise ValueError(
+                f"{path} holds a different plasticity map ({changes}): resume it with the "
+                "stored settings, or use another path"
+            )
         return ds
     template = _template(spec)
     encoding = {}

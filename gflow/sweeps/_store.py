@@ -101,8 +101,32 @@ def _open_or_create(path, spec, resume):
             "(gflow.load_sweep) but not resumed; run the sweep into a new --out path"
         )
     if ds.attrs.get("spec") != spec.to_json():
-        raise ValueError(f"{path} holds a different sweep; use another --out path")
+        changes = "; ".join(spec_differences(ds.attrs.get("spec") or "{}", spec.to_json()))
+        raise ValueError(
+            f"{path} holds a different sweep ({changes}): resume it with the stored settings, "
+            "or run this one into another --out path"
+        )
     return ds
+
+
+def spec_differences(stored: str, current: str) -> list[str]:
+    """'field: stored → current' for each top-level field (and each FlowOptions field) on
+    which two `SweepSpec.to_json()` strings differ; `(absent)` where one lacks it (a store
+    written by a gflow that did not have the option)."""
+    a, b = json.loads(stored), json.loads(current)
+    absent = "(absent)"
+
+    def changes(x: dict, y: dict, prefix: str) -> list[str]:
+        out = []
+        for key in sorted(set(x) | set(y)):
+            old, new = x.get(key, absent), y.get(key, absent)
+            if key == "options" and isinstance(old, dict) and isinstance(new, dict):
+                out += changes(old, new, "options.")
+            elif old != new:
+                out.append(f"{prefix}{key}: {old!r} → {new!r}")
+        return out
+
+    return changes(a, b, "")
 
 
 def write_points(path, spec: SweepSpec, idx, results: dict[str, np.ndarray]):
