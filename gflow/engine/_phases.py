@@ -111,7 +111,8 @@ class Setup(eqx.Module):
 
 class FiniteErrorPID(diffrax.PIDController):
     """A PID controller that treats an overflowing trial step as a plain rejection, and that
-    can leave out of a step's error what rounding in the vector field puts there.
+    can hold a layer's entries to the layer's scale and leave out of a step's error what
+    rounding in the vector field puts there.
 
     - diffrax's controller computes the next step from the error norm; a trial step that
       overflows (large α: the polynomial vector field explodes before the controller has
@@ -125,6 +126,10 @@ class FiniteErrorPID(diffrax.PIDController):
       does not make it smaller relative to the work (more steps carry the same rounding),
       and without this the controller pins h where h·δg meets the tolerance: a plateau at
       t ~ 1e10 then takes 95k steps instead of 3.7k (docs/theory.md §5).
+    - `layer_scale` (physical time only): each parameter's tolerance is atol + rtol·max(|θ_i|,
+      s_l), s_l the RMS entry of its layer at the step's start, instead of atol + rtol·|θ_i|
+      (`FlowOptions.tail_scale`): X reads a layer through matrix products, and entries far
+      below their layer's size otherwise set the step (docs/theory.md §5).
     """
 
     rounding_gain: float = 0.0
