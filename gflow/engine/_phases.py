@@ -182,12 +182,12 @@ class FiniteErrorPID(diffrax.PIDController):
 
 
 def rhs_evals_per_step(solver) -> int:
-    """Vector-field evaluations per step of an explicit tableau or of RODAS4 (one per stage,
-    the first from its linearisation); −1 for other solvers (not counted)."""
-    from ._rosenbrock import Rodas4
+    """Vector-field evaluations per step of an explicit tableau or of a RODAS tableau (one per
+    stage, the first from its linearisation); −1 for other solvers (not counted)."""
+    from ._rosenbrock import TABLEAUS, Rodas4
 
     if isinstance(solver, Rodas4):
-        return 6
+        return TABLEAUS[solver.tableau].stages
     tableau = getattr(solver, "tableau", None)
     if tableau is None or not hasattr(tableau, "c"):
         return -1

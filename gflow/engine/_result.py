@@ -144,8 +144,8 @@ class FlowResult(eqx.Module):
     - `num_linear_iters`: conjugate-gradient iterations (a Hessian-vector product and a
       preconditioner application each) of the Rosenbrock phases, 0 when they ran with dense
       linear algebra or did not run (with a Gauss–Newton preconditioner of ≥ 1,024 observed
-      entries each CG step also spends six Hessian-vector products, uncounted, on starting its
-      stages' CG from the previous step's stage solutions);
+      entries each CG step also spends one Hessian-vector product per stage, uncounted, on
+      starting its stages' CG from the previous step's stage solutions);
       `num_factorizations`: their dense factorisations or preconditioner builds. Both count
       accepted steps only: diffrax keeps no solver state from a rejected step, so its linear
       algebra goes uncounted (`num_rejected_steps` says how many steps that is).

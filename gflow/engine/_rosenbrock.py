@@ -1,5 +1,5 @@
-"""Rodas4: stiffly accurate, L-stable Rosenbrock methods of order 4 (embedded order 3), as a
-diffrax solver, for the stiff tail of a gradient flow.
+"""Rodas4: stiffly accurate, L-stable Rosenbrock methods of order 4 (embedded order 3) and 5
+(embedded 4), as a diffrax solver, for the stiff tail of a gradient flow.
 
 A Rosenbrock method replaces the Newton iterations of an implicit Runge–Kutta method by one
 linear system per stage, all with the same matrix (I/(hγ) − J), so a step never fails for lack
@@ -8,22 +8,28 @@ solved either densely (Cholesky of the P×P matrix, P = number of parameters) or
 conjugate gradients on Hessian-vector products (`jax.linearize` of the vector field), which needs
 no P×P matrix at all.
 
-Three six-stage tableaus of the same form (γ = 1/4), for autonomous systems
+Four tableaus of the same form, for autonomous systems with s stages
     (I/(hγ) − J) K_i = f(y + Σ_j a_ij K_j) + Σ_j (c_ij/h) K_j,
-    y₁ = y + Σ m_i K_i (m_i = a_5i, 1, 1: stiffly accurate),  error = K_6:
+    y₁ = y + Σ m_i K_i (m_i = a_si, then 1: stiffly accurate),  error = K_s:
 
-- `rodas4p2` (default): G. Steinebach, "Improvement of Rosenbrock-Wanner method RODASP", in
-  *Progress in Differential-Algebraic Equations II*, Springer 2020, pp. 165–184;
-- `rodas4p`: G. Steinebach, "Order-reduction of ROW-methods for DAEs and method of lines
-  applications", preprint 1741, TH Darmstadt 1995;
-- `rodas4`: E. Hairer and G. Wanner, *Solving Ordinary Differential Equations II*, 2nd ed.,
-  Springer 1996, §VI.4.
+- `rodas4p2` (default; s = 6, γ = 1/4): G. Steinebach, "Improvement of Rosenbrock-Wanner
+  method RODASP", in *Progress in Differential-Algebraic Equations II*, Springer 2020,
+  pp. 165–184;
+- `rodas5p` (s = 8, γ ≈ 0.2119, order 5): G. Steinebach, "Construction of Rosenbrock–Wanner
+  method Rodas5P and numerical benchmarks within the Julia Differential Equations package",
+  BIT Numer. Math. 63 (2023);
+- `rodas4p` (s = 6, γ = 1/4): G. Steinebach, "Order-reduction of ROW-methods for DAEs and
+  method of lines applications", preprint 1741, TH Darmstadt 1995;
+- `rodas4` (s = 6, γ = 1/4): E. Hairer and G. Wanner, *Solving Ordinary Differential Equations
+  II*, 2nd ed., Springer 1996, §VI.4.
 
-All three are of order 4 on smooth problems. On a flow's stiff tail (eigenvalues of the Hessian
-spread over ten or more decades) RODAS4 loses order: its steps grew as rtol^−0.42 instead of
-rtol^−1/5, the order reduction of Prothero–Robinson-type problems that RODAS4P and RODAS4P2
-were built to avoid. Measured (benchmarks/README, `scale`): the same endpoints in 1.9× (d = 50)
-to 2.6× (d = 8, depth 3) fewer steps at rtol 1e-10.
+On a flow's stiff tail (eigenvalues of the Hessian spread over ten or more decades) RODAS4
+loses order: its steps grew as rtol^−0.42 instead of rtol^−1/5, the order reduction of
+Prothero–Robinson-type problems that RODAS4P, RODAS4P2 and RODAS5P were built to avoid.
+Measured (benchmarks/README, `scale`): RODAS4P2 reaches the same endpoints in 1.9× (d = 50) to
+2.6× (d = 8, depth 3) fewer steps than RODAS4 at rtol 1e-10; RODAS5P in 1.4–2× fewer than
+RODAS4P2, in the same time (each step solves eight systems instead of six, and its longer
+steps cost more CG iterations per system).
 """
 
 from __future__ import annotations
@@ -36,26 +42,35 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-_GAMMA = 0.25
-_STAGES = 6
 STAGE_STARTS = ("stages", "previous", "zero")  # where a stage's CG starts (`Rodas4`)
 
 
 class Tableau(NamedTuple):
-    a: dict  # a_ij, rows 2–6
+    a: dict  # a_ij, i > j
     c: dict  # c_ij
     m: list  # the solution's weights
-    dense: tuple  # (h_1j, h_2j), j = 1…5: the dense output's (`RosenbrockInterpolation`)
+    dense: tuple  # rows (h_k1, h_k2, …): the dense output's (`RosenbrockInterpolation`)
+    gamma: float = 0.25
+    order: int = 4  # of the solution; its embedded pair (the error estimate K_s) is one lower
+
+    @property
+    def stages(self) -> int:
+        return len(self.m)
 
 
-def _tableau(a: dict, c: dict, dense: tuple) -> Tableau:
-    """A stiffly accurate six-stage tableau from its a_ij (rows 2–5), c_ij and dense output."""
+def _tableau(a: dict, c: dict, dense: tuple, stages=6, gamma=0.25, order=4) -> Tableau:
+    """A stiffly accurate tableau from its a_ij up to the row b of the solution's weights
+    (rows 2…b, b = the last row given), its c_ij and dense output: each later stage is
+    evaluated at the previous one's argument plus the previous stage (a_ij = a_bj for j < b,
+    1 for b ≤ j < i), the solution is the last stage's argument plus K_s, and K_s is the
+    error estimate."""
     a = dict(a)
-    for j in range(1, 5):
-        a[(6, j)] = a[(5, j)]
-    a[(6, 5)] = 1.0
-    m = [a[(5, 1)], a[(5, 2)], a[(5, 3)], a[(5, 4)], 1.0, 1.0]
-    return Tableau(a, c, m, dense)
+    b = max(i for i, _ in a)
+    for i in range(b + 1, stages + 1):
+        for j in range(1, i):
+            a[(i, j)] = a[(b, j)] if j < b else 1.0
+    m = [a[(stages, j)] for j in range(1, stages)] + [1.0]
+    return Tableau(a, c, m, dense, gamma, order)
 
 
 TABLEAUS = {
@@ -194,22 +209,109 @@ TABLEAUS = {
             ],
         ),
     ),
+    # G. Steinebach, "Construction of Rosenbrock–Wanner method Rodas5P and numerical
+    # benchmarks within the Julia Differential Equations package", BIT Numer. Math. 63 (2023)
+    "rodas5p": _tableau(
+        {
+            (2, 1): 3.0,
+            (3, 1): 2.849394379747939,
+            (3, 2): 0.45842242204463923,
+            (4, 1): -6.954028509809101,
+            (4, 2): 2.489845061869568,
+            (4, 3): -10.358996098473584,
+            (5, 1): 2.8029986275628964,
+            (5, 2): 0.5072464736228206,
+            (5, 3): -0.3988312541770524,
+            (5, 4): -0.04721187230404641,
+            (6, 1): -7.502846399306121,
+            (6, 2): 2.561846144803919,
+            (6, 3): -11.627539656261098,
+            (6, 4): -0.18268767659942256,
+            (6, 5): 0.030198172008377946,
+        },
+        {
+            (2, 1): -14.155112264123755,
+            (3, 1): -17.97296035885952,
+            (3, 2): -2.859693295451294,
+            (4, 1): 147.12150275711716,
+            (4, 2): -1.41221402718213,
+            (4, 3): 71.68940251302358,
+            (5, 1): 165.43517024871676,
+            (5, 2): -0.4592823456491126,
+            (5, 3): 42.90938336958603,
+            (5, 4): -5.961986721573306,
+            (6, 1): 24.854864614690072,
+            (6, 2): -3.0009227002832186,
+            (6, 3): 47.4931110020768,
+            (6, 4): 5.5814197821558125,
+            (6, 5): -0.6610691825249471,
+            (7, 1): 30.91273214028599,
+            (7, 2): -3.1208243349937974,
+            (7, 3): 77.79954646070892,
+            (7, 4): 34.28646028294783,
+            (7, 5): -19.097331116725623,
+            (7, 6): -28.087943162872662,
+            (8, 1): 37.80277123390563,
+            (8, 2): -3.2571969029072276,
+            (8, 3): 112.26918849496327,
+            (8, 4): 66.9347231244047,
+            (8, 5): -40.06618937091002,
+            (8, 6): -54.66780262877968,
+            (8, 7): -9.48861652309627,
+        },
+        (
+            [
+                25.948786856663858,
+                -2.5579724845846235,
+                10.433815404888879,
+                -2.3679251022685204,
+                0.524948541321073,
+                1.1241088310450404,
+                0.4272876194431874,
+                -0.17202221070155493,
+            ],
+            [
+                -9.91568850695171,
+                -0.9689944594115154,
+                3.0438037242978453,
+                -24.495224566215796,
+                20.176138334709044,
+                15.98066361424651,
+                -6.789040303419874,
+                -6.710236069923372,
+            ],
+            [
+                11.419903575922262,
+                2.8879645146136994,
+                72.92137995996029,
+                80.12511834622643,
+                -52.072871366152654,
+                -59.78993625266729,
+                -0.15582684282751913,
+                4.883087185713722,
+            ],
+        ),
+        stages=8,
+        gamma=0.21193756319429014,
+        order=5,
+    ),
 }
 
 
 def rounding_gain(tableau: Tableau) -> float:
-    """Σ_i |e_i|, where the error estimate K_6 = h Σ_i e_i n_i in a direction of zero curvature
+    """Σ_i |e_i|, where the error estimate K_s = h Σ_i e_i n_i in a direction of zero curvature
     whose stage evaluations carry rounding n_i: the most the estimate can make of rounding in
-    the vector field (2.9 for RODAS4P2, 4.7 RODAS4P, 5.1 RODAS4; Σ_i e_i = 0, so rounding that
-    is the same in every stage cancels)."""
-    e = [[0.0] * (_STAGES + 1) for _ in range(_STAGES + 1)]  # K_i = h Σ_j e[i][j] n_j
-    for i in range(1, _STAGES + 1):
-        e[i][i] = _GAMMA
+    the vector field (2.9 for RODAS4P2, 1.4 RODAS5P, 4.7 RODAS4P, 5.1 RODAS4; Σ_i e_i = 0, so
+    rounding that is the same in every stage cancels)."""
+    s, gamma = tableau.stages, tableau.gamma
+    e = [[0.0] * (s + 1) for _ in range(s + 1)]  # K_i = h Σ_j e[i][j] n_j
+    for i in range(1, s + 1):
+        e[i][i] = gamma
         for j in range(1, i):
-            coefficient = _GAMMA * tableau.c.get((i, j), 0.0)
+            coefficient = gamma * tableau.c.get((i, j), 0.0)
             for k in range(1, j + 1):
                 e[i][k] += coefficient * e[j][k]
-    return sum(abs(x) for x in e[_STAGES][1:])
+    return sum(abs(x) for x in e[s][1:])
 
 
 def conjugate_gradient(
@@ -314,8 +416,9 @@ def sketch_preconditioner(u, lam, shift):
 
 
 class RosenbrockInterpolation(diffrax.AbstractLocalInterpolation):
-    """The RODAS family's dense output within a step (third order, Hairer & Wanner §VI.4):
-    y(t0 + θh) = (1 − θ)·y0 + θ·(y1 + (1 − θ)(k1 + θ·k2)), k1 = Σ h_1j K_j, k2 = Σ h_2j K_j.
+    """The RODAS family's dense output within a step (Hairer & Wanner §VI.4; Steinebach 2023
+    for RODAS5P): y(t0 + θh) = (1 − θ)·y0 + θ·(y1 + (1 − θ)(k1 + θ·(k2 + θ·(k3 + …)))),
+    k_r = Σ_j h_rj K_j (two rows for the order-4 tableaus: third order; three for RODAS5P).
     Trajectory samples in a stiff tail come from it; a linear interpolant between steps is off
     by O(h²), which the tail's long steps make visible (1e-8 in the balancedness invariant)."""
 
@@ -323,8 +426,7 @@ class RosenbrockInterpolation(diffrax.AbstractLocalInterpolation):
     t1: jax.Array
     y0: object
     y1: object
-    k1: object
-    k2: object
+    ks: tuple
 
     def evaluate(self, t0, t1=None, left=True):
         del left
@@ -332,21 +434,20 @@ class RosenbrockInterpolation(diffrax.AbstractLocalInterpolation):
             return jax.tree_util.tree_map(jnp.subtract, self.evaluate(t1), self.evaluate(t0))
         length = self.t1 - self.t0
         theta = jnp.where(length != 0, (t0 - self.t0) / jnp.where(length != 0, length, 1.0), 1.0)
-        return jax.tree_util.tree_map(
-            lambda y0, y1, k1, k2: (
-                (1 - theta) * y0 + theta * (y1 + (1 - theta) * (k1 + theta * k2))
-            ),
-            self.y0,
-            self.y1,
-            self.k1,
-            self.k2,
-        )
+
+        def at(y0, y1, *ks):
+            inner = ks[-1]
+            for k in reversed(ks[:-1]):
+                inner = k + theta * inner
+            return (1 - theta) * y0 + theta * (y1 + (1 - theta) * inner)
+
+        return jax.tree_util.tree_map(at, self.y0, self.y1, *self.ks)
 
 
 class Rodas4(diffrax.AbstractAdaptiveSolver):
-    """A six-stage, order-4 Rosenbrock method (`tableau`: `rodas4p2`, `rodas4p` or `rodas4`,
-    module docstring) for autonomous systems y' = f(y), with dense or matrix-free (CG) linear
-    algebra.
+    """A RODAS-type Rosenbrock method (`tableau`: `rodas4p2`, `rodas5p`, `rodas4p` or `rodas4`,
+    module docstring; named for the order-4 family it began with) for autonomous systems
+    y' = f(y), with dense or matrix-free (CG) linear algebra.
 
     - `symmetric`: the Jacobian is symmetric (a gradient flow: J = −∇²loss), apart from the
       `passive` entries. Then the dense path factorises (I/(hγ) − J) by Cholesky, about twice
@@ -393,7 +494,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     - `stage_start`: where each stage's CG starts: the Galerkin projection (`galerkin_start`)
       of its right-hand side onto a span of known solutions, or zero (`zero`). `stages`
       (default): the step's earlier stages (free: their images are known); `previous`: also
-      the previous accepted step's six stage solutions, whose images under this step's matrix
+      the previous accepted step's stage solutions, whose images under this step's matrix
       cost one Hessian-vector product each: it pays where a preconditioner application costs
       several of those (`flow` uses it with a Gauss–Newton preconditioner of ≥ 1,024
       observed entries). Measured side by side with that preconditioner (benchmarks/README,
@@ -428,10 +529,10 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     stage_start: str = "stages"
 
     def order(self, terms):
-        return 4
+        return TABLEAUS[self.tableau].order
 
     def error_order(self, terms):
-        return 4
+        return TABLEAUS[self.tableau].order  # the estimate K_s is O(h^order)
 
     def __check_init__(self):
         if self.stage_start not in STAGE_STARTS:
@@ -557,7 +658,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             state["lam"] = jnp.zeros((rank,), flat.dtype)
             state["age"] = jnp.asarray(self.preconditioner_refresh, jnp.int32)
         if self._uses_cg(size) and self.stage_start == "previous":
-            state["previous"] = jnp.zeros((size, _STAGES), flat.dtype)
+            state["previous"] = jnp.zeros((size, TABLEAUS[self.tableau].stages), flat.dtype)
         if self._uses_cg(size) and self._falls_back(size):
             state["dense_hold"] = jnp.asarray(0, jnp.int32)  # steps to stay dense
         return state
@@ -569,7 +670,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     # preconditioner, and read as the tableau does.
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
         del made_jump
-        a_, c_, m_, (h1_, h2_) = TABLEAUS[self.tableau]
+        tableau = TABLEAUS[self.tableau]
+        a_, c_, m_, rows_ = tableau.a, tableau.c, tableau.m, tableau.dense
         active0, passive0 = self._split(y0)
         flat0, unravel = ravel_pytree(active0)
         passive_flat0, unravel_passive = ravel_pytree(passive0)
@@ -582,7 +684,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             return ravel_pytree(active)[0], ravel_pytree(passive)[0]
 
         h = t1 - t0
-        shift = 1.0 / (h * _GAMMA)
+        shift = 1.0 / (h * tableau.gamma)
         (f0, g0), jvp_both = jax.linearize(f, flat0)
         jvp = lambda v: jvp_both(v)[0]
         new_state = dict(solver_state)
@@ -607,12 +709,12 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             return solve
 
         def stages(solve):
-            """The six stage solutions (and their passive rows), whether every solve
-            succeeded, and the CG iterations spent."""
+            """The stage solutions (and their passive rows), whether every solve succeeded,
+            and the CG iterations spent."""
             ks, kps, images = [], [], []
             ok = jnp.asarray(True)
             iters = jnp.asarray(0, jnp.int32)
-            for i in range(1, _STAGES + 1):
+            for i in range(1, tableau.stages + 1):
                 if i == 1:
                     fi, gi = f0, g0
                 else:
@@ -670,12 +772,14 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             p1 = unravel_passive(passive_flat0 + combine(kps))
             y1 = {**y1, **p1}
             y_error = {**y_error, **unravel_passive(jnp.where(ok, kps[-1], jnp.inf))}
-        dense = lambda row, kk: sum(w * k for w, k in zip(row, kk[:5], strict=True))
-        k1, k2 = unravel(dense(h1_, ks)), unravel(dense(h2_, ks))
+        dense = lambda row, kk: sum(w * k for w, k in zip(row, kk, strict=False))
+        ks_dense = tuple(unravel(dense(row, ks)) for row in rows_)
         if passive0:
-            k1 = {**k1, **unravel_passive(dense(h1_, kps))}
-            k2 = {**k2, **unravel_passive(dense(h2_, kps))}
-        dense_info = dict(y0=y0, y1=y1, k1=k1, k2=k2)
+            ks_dense = tuple(
+                {**k, **unravel_passive(dense(row, kps))}
+                for k, row in zip(ks_dense, rows_, strict=True)
+            )
+        dense_info = dict(y0=y0, y1=y1, ks=ks_dense)
         result = diffrax.RESULTS.successful
         if "previous" in solver_state:
             new_state["previous"] = jnp.stack(ks, axis=1)
