@@ -341,6 +341,8 @@ def test_options_are_checked_not_rewritten_and_take_a_diffrax_solver():
         gflow.FlowOptions(rounding_floor="yes")
     with pytest.raises(ValueError, match="unknown tail_scale 'rms'"):
         gflow.FlowOptions(tail_scale="rms")
+    with pytest.raises(ValueError, match="tail_scale='entry' sets the stiff tail's step error"):
+        gflow.FlowOptions(solver="tsit5", tail_scale="entry")
     with pytest.raises(ValueError, match="rounding_allowance widens the stiff tail"):
         gflow.FlowOptions(solver="tsit5", rounding_allowance=True)
     with pytest.raises(ValueError, match="rounding_allowance must be True or False"):

@@ -200,6 +200,11 @@ class FlowOptions(eqx.Module):
                 )
         if self.tail_scale not in TAIL_SCALES:
             raise ValueError(f"unknown tail_scale {self.tail_scale!r}; choose from {TAIL_SCALES}")
+        if self.tail_scale != TAIL_SCALES[0] and not self.stiff_tail:
+            raise ValueError(
+                f"tail_scale={self.tail_scale!r} sets the stiff tail's step error of "
+                f"solver='auto'; solver={self.solver!r} has no tail"
+            )
         if not isinstance(self.rounding_floor, bool):
             raise ValueError(f"rounding_floor must be True or False, got {self.rounding_floor!r}")
         if self.rounding_floor and not self.stiff_tail:
