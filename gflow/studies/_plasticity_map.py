@@ -28,7 +28,7 @@ from ..descent import DescentOptions, descend_batch
 from ..engine import FlowOptions, Status, flow_batch, stack
 from ..inits import gaussian, identity_family
 from ..problem import Problem, bernoulli
-from ..sweeps._store import spec_differences
+from ..sweeps._store import open_store
 from ._plasticity import _flat, connected_superset_mask
 
 INITS = ("gaussian", "identity")
@@ -452,35 +452,18 @@ def _template(spec: PlasticityMapSpec):
 
 
 def _open_or_create(path, spec: PlasticityMapSpec, resume: bool):
-    import xarray as xr
+    """The map's store at `path` (`open_store`), one zarr chunk per work unit."""
 
-    if os.path.exists(path):
-        if not resume:
-            raise FileExistsError(f"{path} exists: pass resume=True (--resume) to continue it")
-        ds = xr.open_zarr(path, consolidated=False)
-        if ds.attrs.get("layout") != LAYOUT:
-            raise ValueError(f"{path} holds a plasticity map of an older layout; use another path")
-        if ds.attrs.get("spec") != spec.to_json():
-            changes = "; ".join(spec_differences(ds.attrs.get("spec") or "{}", spec.to_json()))
-            raise ValueError(
-                f"{path} holds a different plasticity map ({changes}): resume it with the "
-                "stored settings, or use another path"
-            )
-        return ds
-    template = _template(spec)
-    encoding = {}
-    for name, var in template.data_vars.items():  # one chunk per work unit
-        encoding[name] = {"chunks": tuple(1 if i < 3 else n for i, n in enumerate(var.shape))}
-    tmp = f"{os.fspath(path).rstrip(os.sep)}.creating-{os.getpid()}"
-    import warnings
+    def make():
+        template = _template(spec)
+        chunks = {
+            name: tuple(1 if i < 3 else n for i, n in enumerate(var.shape))
+            for name, var in template.data_vars.items()
+        }
+        return template, chunks
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Consolidated metadata")
-        # the labels of init, subset and pretraining are fixed-length strings
-        warnings.filterwarnings("ignore", message=".*does not have a Zarr V3 specification")
-        template.to_zarr(tmp, mode="w", encoding=encoding, consolidated=True)
-    os.rename(tmp, path)
-    return xr.open_zarr(path, consolidated=False)
+    older = "holds a plasticity map of an older layout; use another path"
+    return open_store(path, resume, make, spec.to_json(), "plasticity map", LAYOUT, older)
 
 
 def _write_unit(path, unit, values: dict, wall: float):

@@ -71,21 +71,42 @@ def _template(spec: SweepSpec):
 
 
 def _open_or_create(path, spec, resume):
-    """Open the store at `path`, or create it: written under a temporary name and renamed into
-    place, so that workers starting together agree on one store (the first rename wins)."""
+    """The sweep's store at `path` (`open_store`), one zarr chunk per grid point."""
+
+    def make():
+        template = _template(spec)
+        ones = (1,) * len(spec.axes)
+        chunks = {name: ones + template[name].shape[len(ones) :] for name in template}
+        return template, chunks
+
+    older = (
+        "was written by an older gflow (one flat `point` dimension): it can be read "
+        "(gflow.load_sweep) but not resumed; run the sweep into a new --out path"
+    )
+    return open_store(path, resume, make, spec.to_json(), "sweep", LAYOUT, older)
+
+
+def open_store(path, resume: bool, make, spec_json: str, what: str, layout: str, older: str):
+    """Open the zarr store of a run at `path` to resume it, or create it from `make()` (its
+    template dataset and each variable's chunks). A new store is written under a temporary
+    name and renamed into place, so that workers starting together agree on one store (the
+    first rename wins). Consolidated once there: later writes change data, never metadata, so
+    the store opens without xarray's warning even after a run killed midway. An existing store
+    resumes only with `resume`, its `layout` and its stored spec (else the error names what
+    changed); `what` names the kind of run in errors, `older` ends the message for another
+    layout."""
     import shutil
 
     import xarray as xr
 
     if not os.path.exists(path):
-        template = _template(spec)
-        ones = (1,) * len(spec.axes)  # one chunk per point
-        encoding = {name: {"chunks": ones + template[name].shape[len(ones) :]} for name in template}
+        template, chunks = make()
+        encoding = {name: {"chunks": chunks[name]} for name in template.data_vars}
         tmp = f"{os.fspath(path).rstrip(os.sep)}.creating-{os.getpid()}"
-        # Consolidated once here: point writes change data, never metadata, so the store opens
-        # without xarray's warning even after a run killed midway.
-        with warnings.catch_warnings():  # zarr 3: "not part of the format 3 specification"
+        with warnings.catch_warnings():
+            # zarr 3: "not part of the format 3 specification"; fixed-length string labels
             warnings.filterwarnings("ignore", message="Consolidated metadata")
+            warnings.filterwarnings("ignore", message=".*does not have a Zarr V3 specification")
             template.to_zarr(tmp, mode="w", encoding=encoding, compute=True, consolidated=True)
         try:
             os.rename(tmp, path)
@@ -95,16 +116,13 @@ def _open_or_create(path, spec, resume):
     elif not resume:
         raise FileExistsError(f"{path} exists: pass resume=True (--resume) to continue it")
     ds = xr.open_zarr(path, consolidated=False)
-    if ds.attrs.get("layout") != LAYOUT:
+    if ds.attrs.get("layout") != layout:
+        raise ValueError(f"{path} {older}")
+    if ds.attrs.get("spec") != spec_json:
+        changes = "; ".join(spec_differences(ds.attrs.get("spec") or "{}", spec_json))
         raise ValueError(
-            f"{path} was written by an older gflow (one flat `point` dimension): it can be read "
-            "(gflow.load_sweep) but not resumed; run the sweep into a new --out path"
-        )
-    if ds.attrs.get("spec") != spec.to_json():
-        changes = "; ".join(spec_differences(ds.attrs.get("spec") or "{}", spec.to_json()))
-        raise ValueError(
-            f"{path} holds a different sweep ({changes}): resume it with the stored settings, "
-            "or run this one into another --out path"
+            f"{path} holds a different {what} ({changes}): resume it with the stored settings, "
+            "or run this one into another path"
         )
     return ds
 
