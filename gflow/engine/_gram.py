@@ -134,12 +134,15 @@ def apply(state: GaussNewtonState, shift, r: Factorization) -> Factorization:
     observe = lambda layers: _observed(layers, state.rows, state.cols, state.weight)
     tangent = tuple(x * mask[i] for i, x in enumerate(r.layers))
     _, ju = jax.jvp(observe, (state.layers,), (tangent,))
-    # ju @ m, not m.T @ ju: XLA on CPU copies the transposed matrix first (20× slower).
+    # ju @ v, not v.T @ ju: XLA on CPU copies the transposed matrix first (20× slower).
     if state.factorization == "eigh":
         v = state.matrix
         coefficients = v @ ((ju @ v) / (shift + state.values))
     else:
-        coefficients = ju @ state.matrix  # symmetric
+        # m @ ju (m is exactly symmetric): on CPU XLA's product this way round took 1.1×
+        # (|Ω| = 2,945) to 1.4× (4,000–12,000) less time than ju @ m alone; whole solves 1.11×
+        # faster at d = 100, 1.01× at d = 200 (benchmarks/README)
+        coefficients = state.matrix @ ju
     _, pullback = jax.vjp(observe, state.layers)
     (jtc,) = pullback(coefficients)
     return Factorization(
