@@ -242,17 +242,9 @@ def test_dense_output_inside_a_step_is_third_order(tableau):
     for n in (16, 32, 64):
         h = 2.0 / n
         ts = jnp.arange(n) * h + 0.37 * h
-        sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(lambda t, y, args: -(y**2)),
-            Rodas4(linear_solver="dense", tableau=tableau),
-            0.0,
-            2.0,
-            h,
-            jnp.asarray([1.0]),
-            stepsize_controller=diffrax.ConstantStepSize(),
-            saveat=diffrax.SaveAt(ts=ts),
-        )
-        errors.append(np.max(np.abs(np.asarray(sol.ys[:, 0]) - 1.0 / (1.0 + np.asarray(ts)))))
+        field = lambda t, y, args: -(y**2)
+        ys = _fixed_steps(field, [1.0], 2.0, n, tableau, diffrax.SaveAt(ts=ts))
+        errors.append(np.max(np.abs(ys[:, 0] - 1.0 / (1.0 + np.asarray(ts)))))
     orders = np.log2(np.array(errors[:-1]) / np.array(errors[1:]))
     assert np.all(orders > 2.8), orders
 
@@ -274,24 +266,28 @@ def test_the_tableaus_are_the_same_method_family():
         gflow.FlowOptions(rosenbrock="rodas5")
 
 
+def _fixed_steps(field, y0, t1, n, tableau, saveat):
+    """The samples `saveat` of a dense-algebra RODAS solve of `field` from `y0` over [0, t1]
+    in `n` equal steps."""
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(field),
+        Rodas4(linear_solver="dense", tableau=tableau),
+        0.0,
+        t1,
+        t1 / n,
+        jnp.asarray(y0),
+        stepsize_controller=diffrax.ConstantStepSize(),
+        saveat=saveat,
+    )
+    return np.asarray(sol.ys)
+
+
 def _fixed_step_ends(tableau, steps):
     """The endpoints of fixed-step solves (`steps` steps each) of a small nonlinear system
     with a fast and a slow mode, y₀' = −y₀² + y₁, y₁' = −10 y₁ + y₀y₁, over [0, 1]."""
     field = lambda t, y, args: jnp.stack([-(y[0] ** 2) + y[1], -10.0 * y[1] + y[0] * y[1]])
-    ends = []
-    for n in steps:
-        sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(field),
-            Rodas4(linear_solver="dense", tableau=tableau),
-            0.0,
-            1.0,
-            1.0 / n,
-            jnp.asarray([1.0, 0.5]),
-            stepsize_controller=diffrax.ConstantStepSize(),
-            max_steps=1024,
-        )
-        ends.append(np.asarray(sol.ys[-1]))
-    return ends
+    end = diffrax.SaveAt(t1=True)
+    return [_fixed_steps(field, [1.0, 0.5], 1.0, n, tableau, end)[-1] for n in steps]
 
 
 def test_each_tableau_converges_at_its_order():
