@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .engine import FlowOptions
-from .engine._options import CLOCKS, TAIL_SCALES
+from .engine._options import CLOCKS, ROSENBROCK, TAIL_SCALES
 from .sweeps._spec import DEFAULTS
 
 EXAMPLE_SWEEP = Path(__file__).parent / "configs" / "sweep_example.toml"
@@ -101,6 +101,12 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
         "where an entry is smaller (layer, default) or each entry alone (entry)",
     )
     g.add_argument(
+        "--rosenbrock",
+        choices=list(ROSENBROCK),
+        default=FLOW_DEFAULTS.rosenbrock,
+        help="the stiff tail's Rosenbrock tableau (rodas5p: order 5, fewer but dearer steps)",
+    )
+    g.add_argument(
         "--rounding-floor",
         action="store_true",
         help="stop the stiff tail early where its gradient is mostly float64 rounding on a "
@@ -188,6 +194,7 @@ def cmd_run(args) -> int:
         atol=args.atol,
         tail_rtol=args.tail_rtol,
         tail_scale=args.tail_scale,
+        rosenbrock=args.rosenbrock,
         rounding_floor=args.rounding_floor,
         rounding_allowance=args.rounding_allowance,
         t_max=args.t_max,

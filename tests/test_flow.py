@@ -274,6 +274,7 @@ def test_cli_file_inputs_match_independent_reference(tmp_path, capsys, depth, al
         (["run", "--depth", "0"], "depth"),
         (["run", "--m", "1"], "m must be > 1"),
         (["run", "--solver", "rk4"], "invalid choice"),
+        (["run", "--rosenbrock", "rodas3"], "invalid choice"),
         (["run", "--problem", "file"], "--target"),
         (["run", "--problem", "file", "--target", "nope.npy", "--mask", "x.npy"], "no such file"),
         (["run", "--rtol", "2"], "rtol"),

@@ -178,3 +178,4 @@ def test_the_cli_uses_the_defaults_of_sweeps_and_flow_options():
         options.max_steps,
         options.clock,
     )
+    assert (args.tail_scale, args.rosenbrock) == (options.tail_scale, options.rosenbrock)
