@@ -190,6 +190,50 @@ def test_runge_kutta_loop_on_a_linear_system():
     assert int(capped.outcome) == MAX_STEPS and int(capped.num_steps) == 5
 
 
+def test_a_step_size_that_finds_no_step_ends_as_out_of_steps_after_its_stall_rejections():
+    """With `stall_rejections`, that many rejected steps in a row end gflow's loop and the
+    diffrax controller as out of steps, at the last accepted state. A zero tolerance rejects
+    every step, as a loss clock on a saddle does (its rates outgrow any step)."""
+    import diffrax
+
+    from gflow.engine._phases import FiniteErrorPID
+    from gflow.engine._runge_kutta import MAX_STEPS, integrate
+
+    a = jnp.array([[-1.0, 2.0], [-2.0, -1.0]])
+    y0 = {"y": jnp.array([1.0, 0.5])}
+    norm = lambda tree: jnp.sqrt(jnp.mean(tree["y"] ** 2))
+    for stall, steps in ((25, 25), (0, 400)):
+        controller = FiniteErrorPID(rtol=0.0, atol=0.0, norm=norm, stall_rejections=stall)
+        end = integrate(
+            lambda y: ({"y": a @ y["y"]}, jnp.asarray(False)),
+            y0,
+            3.0,
+            tableau=diffrax.Tsit5.tableau,
+            order=5,
+            rtol=0.0,
+            atol=0.0,
+            norm=norm,
+            max_steps=400,
+            stall_rejections=stall,
+        )
+        assert int(end.outcome) == MAX_STEPS and int(end.num_steps) == steps
+        assert int(end.num_accepted_steps) == 0 and float(end.t) == 0.0
+        np.testing.assert_array_equal(end.y["y"], y0["y"])
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: {"y": a @ y["y"]}),
+            diffrax.Tsit5(),
+            0.0,
+            3.0,
+            None,
+            y0,
+            stepsize_controller=controller,
+            max_steps=400,
+            throw=False,
+        )
+        assert sol.result == diffrax.RESULTS.max_steps_reached
+        assert int(sol.stats["num_steps"]) == steps and int(sol.stats["num_accepted_steps"]) == 0
+
+
 def test_lean_loop_takes_the_steps_of_diffeqsolve():
     """Without saving, the explicit phases run in gflow's own Runge–Kutta loop; with saving, in
     `diffeqsolve`. Same controller, same first step: the same steps, the same endpoint."""

@@ -460,6 +460,28 @@ def test_a_loss_clock_stalled_on_a_second_plateau_hands_over_to_physical_time():
     assert capped.status_label == "max_steps" and capped.end_phase == gflow.Phase.LOSS_CLOCK
 
 
+def test_a_loss_clock_whose_steps_are_all_rejected_hands_over_at_once():
+    """A d = 8 random mask at depth 4 (the 112-flow sweep's (4, 1e-3, 1)): after ~1.3k accepted
+    steps the loss clock's step size collapses on a saddle and every later step is rejected.
+    It used to spend the rest of its 20k-step budget so (18.7k rejections); it now hands over
+    to physical time after `LOSS_CLOCK_STALL` rejections in a row, from the same state, and
+    the endpoint is the physical clock's."""
+    from gflow.engine._solve import LOSS_CLOCK_STALL
+    from gflow.sweeps._build import build
+
+    point = dict(depth=4, alpha=1e-3, seed=1, dim=8, density=0.5, rank=2, noise=0.0, m=1.0)
+    problem, init = build(point, "bernoulli", "gaussian")
+    r = gflow.flow(problem, init)
+    clock = r.work()["loss clock"]
+    assert r.status_label == "converged" and "stiff tail" in r.work()
+    assert clock["steps"] < 2_000 and clock["rejected_steps"] >= LOSS_CLOCK_STALL
+    physical = gflow.flow(problem, init, clock="physical")
+    assert physical.status_label == "converged"
+    np.testing.assert_allclose(
+        gflow.singular_values(r.model)[:2], gflow.singular_values(physical.model)[:2], rtol=1e-8
+    )
+
+
 def test_the_opt_in_rounding_floor_stops_a_plateau_whose_gradient_is_rounding():
     """σ = (3, 0.5) from α = 1e-4 at depth 5: after the first escape the second component is
     below float64's resolution of X (σ₂ ~ 3e-16), and most of the gradient on that plateau is

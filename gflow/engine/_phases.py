@@ -130,10 +130,19 @@ class FiniteErrorPID(diffrax.PIDController):
       s_l), s_l the RMS entry of its layer at the step's start, instead of atol + rtol·|θ_i|
       (`FlowOptions.tail_scale`): X reads a layer through matrix products, and entries far
       below their layer's size otherwise set the step (docs/theory.md §5).
+    - `stall_rejections` > 0: that many rejected steps in a row end the solve as out of steps
+      (`max_steps_reached`), as `_runge_kutta.integrate` does with the same argument.
     """
 
     rounding_gain: float = 0.0
     layer_scale: bool = False
+    stall_rejections: int = 0
+
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+        t1, state = super().init(terms, t0, t1, y0, dt0, args, func, error_order)
+        if self.stall_rejections > 0:
+            state = (state, jnp.asarray(0, jnp.int32))  # and the rejections in a row
+        return t1, state
 
     def adapt_step_size(
         self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
@@ -148,9 +157,18 @@ class FiniteErrorPID(diffrax.PIDController):
         widened = self.rounding_gain > 0 or self.layer_scale
         if widened and isinstance(args, FieldArgs) and not args.loss_clock:
             y_error = self._widened(t1 - t0, y0, y1_candidate, args, y_error)
-        return super().adapt_step_size(
-            t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+        if self.stall_rejections <= 0:
+            return super().adapt_step_size(
+                t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+            )
+        state, in_a_row = controller_state
+        keep, next_t0, next_t1, jump, state, result = super().adapt_step_size(
+            t0, t1, y0, y1_candidate, args, y_error, error_order, state
         )
+        in_a_row = jnp.where(keep, 0, in_a_row + 1).astype(jnp.int32)
+        stalled = in_a_row >= self.stall_rejections
+        result = diffrax.RESULTS.where(stalled, diffrax.RESULTS.max_steps_reached, result)
+        return keep, next_t0, next_t1, jump, (state, in_a_row), result
 
     def _widened(self, h, y0, y1, args, y_error):
         """The model's error rescaled so that diffrax's norm of it reads |e| against the
@@ -213,7 +231,9 @@ def summary(save_layers: bool, num_sv: int):
     return fn
 
 
-def lean_phase(setup: Setup, solver, rates, y0, t1, max_steps, end_status) -> PhaseRun:
+def lean_phase(
+    setup: Setup, solver, rates, y0, t1, max_steps, end_status, stall_rejections=0
+) -> PhaseRun:
     """One phase in gflow's own Runge–Kutta loop (`_runge_kutta.integrate`)."""
 
     def field(y):
@@ -230,6 +250,7 @@ def lean_phase(setup: Setup, solver, rates, y0, t1, max_steps, end_status) -> Ph
         atol=setup.atol,
         norm=setup.controller.norm,
         max_steps=max_steps,
+        stall_rejections=stall_rejections,
     )
     status = select_status(
         [
@@ -251,11 +272,19 @@ def lean_phase(setup: Setup, solver, rates, y0, t1, max_steps, end_status) -> Ph
     return PhaseRun(run.y, run.t, status, stats, {})
 
 
-def loss_clock_phase(setup: Setup, solver, y0, tau_end, dt0, max_steps, n_samples, lean):
+def loss_clock_phase(
+    setup: Setup, solver, y0, tau_end, dt0, max_steps, n_samples, lean, stall_rejections=0
+):
     """The loss clock (t carried as a state) from τ = 0 to `tau_end`, or until the stopping
-    rule fires; with a finite horizon it also stops where t reaches `t_max`."""
+    rule fires; with a finite horizon it also stops where t reaches `t_max`. With
+    `stall_rejections` > 0 that many rejected steps in a row end it as out of steps."""
     if lean:
-        return lean_phase(setup, solver, loss_clock_rates, y0, tau_end, max_steps, CONTINUE)
+        return lean_phase(
+            setup, solver, loss_clock_rates, y0, tau_end, max_steps, CONTINUE, stall_rejections
+        )
+    if stall_rejections > 0 and isinstance(setup.controller, FiniteErrorPID):
+        controller = dataclasses.replace(setup.controller, stall_rejections=stall_rejections)
+        setup = dataclasses.replace(setup, controller=controller)
     grid = None
     if n_samples:
         grid = jnp.where(jnp.isfinite(tau_end), tau_end, 30.0) * jnp.linspace(0, 1, n_samples)

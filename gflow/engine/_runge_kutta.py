@@ -31,6 +31,7 @@ class Integration(NamedTuple):
     y: object
     t: jax.Array
     outcome: jax.Array  # STOPPED (the test fired at y), REACHED_END (t = t1) or MAX_STEPS
+    # (out of steps, or with `stall_rejections`, that many rejected steps in a row)
     num_steps: jax.Array
     num_accepted_steps: jax.Array
     num_rejected_steps: jax.Array
@@ -69,6 +70,7 @@ def integrate(
     factormin: float = 0.2,
     factormax: float = 10.0,
     first_step: float = 0.01,
+    stall_rejections: int = 0,
 ) -> Integration:
     """Integrate dy/dt = f(y) from t = 0 towards `t1` with an embedded FSAL pair.
 
@@ -76,7 +78,10 @@ def integrate(
     (converged or diverged). It is tested at `y0` and at every accepted point. `tableau` is a
     diffrax `ButcherTableau` with the FSAL property (Tsit5, Dopri5); `order` its order.
     Steps are controlled like diffrax's `PIDController(rtol, atol, norm=norm)`; a trial step
-    with a non-finite value counts as an infinite error.
+    with a non-finite value counts as an infinite error. With `stall_rejections` > 0 the loop
+    also ends as out of steps after that many rejected steps in a row: a step size that no
+    longer finds an acceptable step (it collapses to the rounding of t) would otherwise spend
+    the rest of `max_steps` without moving y.
     """
     if not tableau.fsal:
         raise ValueError("the lean Runge–Kutta loop needs a first-same-as-last tableau")
@@ -138,10 +143,14 @@ def integrate(
         t_new = jnp.where(accept, t_next, t)
         steps = carry["num_steps"] + 1
         accepted = carry["num_accepted_steps"] + accept
+        in_a_row = jnp.where(accept, 0, carry["rejected_in_a_row"] + 1)
+        out_of_steps = steps >= max_steps
+        if stall_rejections > 0:
+            out_of_steps = out_of_steps | (in_a_row >= stall_rejections)
         outcome = jnp.where(
             accept & done1,
             STOPPED,
-            jnp.where(t_new >= t1, REACHED_END, jnp.where(steps >= max_steps, MAX_STEPS, RUNNING)),
+            jnp.where(t_new >= t1, REACHED_END, jnp.where(out_of_steps, MAX_STEPS, RUNNING)),
         )
         return {
             "y": keep(y1, y),
@@ -151,6 +160,7 @@ def integrate(
             "outcome": outcome.astype(jnp.int32),
             "num_steps": steps,
             "num_accepted_steps": accepted,
+            "rejected_in_a_row": in_a_row.astype(jnp.int32),
         }
 
     outcome0 = jnp.where(done0, STOPPED, jnp.where(t1 <= 0, REACHED_END, RUNNING))
@@ -163,6 +173,7 @@ def integrate(
         "outcome": outcome0.astype(jnp.int32),
         "num_steps": zero,
         "num_accepted_steps": zero,
+        "rejected_in_a_row": zero,
     }
     out = jax.lax.while_loop(cond, body, carry)
     return Integration(

@@ -75,6 +75,7 @@ def solve(
     if options.certificates:
         y0["energy"] = jnp.zeros((), dtype)
     n1 = options.save if options.clock_in_use != "physical" else 0
+    hands_over = _loss_clock_steps(options) < options.max_steps
     first = loss_clock_phase(
         setup,
         solvers["loss clock"],
@@ -84,9 +85,10 @@ def solve(
         _loss_clock_steps(options),
         n1,
         options.lean,
+        LOSS_CLOCK_STALL if hands_over else 0,
     )
     finished = use_loss_clock & (first.status >= 0)  # the loss clock ended the solve
-    if _loss_clock_steps(options) < options.max_steps:
+    if hands_over:
         # A loss clock out of its own steps stalled on a later plateau (a saddle after the
         # first escape, where it is stiff): physical time, with its stiff tail, goes on from
         # there. (Out of the user's `max_steps`, it ends the solve as before.)
@@ -272,6 +274,12 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
 # the plateau of a small init takes it hundreds of steps; a loss clock still running after
 # this many has stalled on a saddle between plateaus and hands over to physical time.
 LOSS_CLOCK_STEPS = 10
+# Rejected steps in a row that end the loss clock as out of its budget (it then hands over to
+# physical time from the same state). On a saddle its rates 2·loss·∇loss/‖∇loss‖² outgrow any
+# step: the step size collapses to the rounding of τ and every later step is rejected. Measured
+# on d = 8 random masks at depths 4–5 (2026-12-05, benchmarks/README): 1.3–1.4k accepted steps,
+# then 18.6k rejected in a row, the solve 1.5× slower for nothing.
+LOSS_CLOCK_STALL = 100
 
 
 def _loss_clock_steps(options: FlowOptions) -> int:
