@@ -190,37 +190,35 @@ class FlowOptions(eqx.Module):
             raise ValueError(f"unknown clock {self.clock!r}; choose from {CLOCKS}")
         if not (0 < self.rtol < 1):
             raise ValueError(f"rtol must lie in (0, 1), got {self.rtol}")
-        if self.tail_rtol is not None:
-            if not (0 < self.tail_rtol < 1):
-                raise ValueError(f"tail_rtol must lie in (0, 1), got {self.tail_rtol}")
-            if not self.stiff_tail:
-                raise ValueError(
-                    f"tail_rtol is the stiff tail's tolerance of solver='auto'; "
-                    f"solver={self.solver!r} has no tail (use rtol)"
-                )
+        if self.tail_rtol is not None and not (0 < self.tail_rtol < 1):
+            raise ValueError(f"tail_rtol must lie in (0, 1), got {self.tail_rtol}")
         if self.tail_scale not in TAIL_SCALES:
             raise ValueError(f"unknown tail_scale {self.tail_scale!r}; choose from {TAIL_SCALES}")
-        if self.tail_scale != TAIL_SCALES[0] and not self.stiff_tail:
-            raise ValueError(
-                f"tail_scale={self.tail_scale!r} sets the stiff tail's step error of "
-                f"solver='auto'; solver={self.solver!r} has no tail"
-            )
         if not isinstance(self.rounding_floor, bool):
             raise ValueError(f"rounding_floor must be True or False, got {self.rounding_floor!r}")
-        if self.rounding_floor and not self.stiff_tail:
-            raise ValueError(
-                f"rounding_floor stops the stiff tail of solver='auto'; "
-                f"solver={self.solver!r} has no tail"
-            )
         if not isinstance(self.rounding_allowance, bool):
             raise ValueError(
                 f"rounding_allowance must be True or False, got {self.rounding_allowance!r}"
             )
-        if self.rounding_allowance and not self.stiff_tail:
-            raise ValueError(
-                f"rounding_allowance widens the stiff tail's step tolerance of solver='auto'; "
-                f"solver={self.solver!r} has no tail"
-            )
+        tail_options = (  # (asked for, what it does to the stiff tail, a hint)
+            (self.tail_rtol is not None, "tail_rtol is the stiff tail's tolerance", " (use rtol)"),
+            (
+                self.tail_scale != TAIL_SCALES[0],
+                f"tail_scale={self.tail_scale!r} sets the stiff tail's step error",
+                "",
+            ),
+            (self.rounding_floor, "rounding_floor stops the stiff tail", ""),
+            (
+                self.rounding_allowance,
+                "rounding_allowance widens the stiff tail's step tolerance",
+                "",
+            ),
+        )
+        for asked, what, hint in tail_options:
+            if asked and not self.stiff_tail:
+                raise ValueError(
+                    f"{what} of solver='auto'; solver={self.solver!r} has no tail{hint}"
+                )
         if self.atol is not None and not (self.atol > 0 and math.isfinite(self.atol)):
             raise ValueError(f"atol must be finite and > 0, got {self.atol}")
         if not (self.t_max > 0):
