@@ -62,51 +62,12 @@ def test_preconditioner_is_the_woodbury_inverse(case, shift, factorization):
     state = _gram.build(model, problem.mask, layer_mask, size, 0.5, "eigh")
     if factorization == "inverse":
         state = _gram.build(model, problem.mask, layer_mask, size, shift, "inverse")
-    _assert_woodbury(case, state, shift)
-
-
-def _assert_woodbury(case, state, shift):
-    """`apply(state, shift, r)` solves (s·I + JᵀJ) x = r for a random r."""
-    problem, model, layer_mask, _ = case
     jac = _dense_jacobian(model, problem, layer_mask)
     dense = shift * np.eye(jac.shape[1]) + jac.T @ jac
     flat, unravel = ravel_pytree(model)
     r = np.random.default_rng(0).normal(size=flat.shape)
     got = ravel_pytree(_gram.apply(state, shift, unravel(jnp.asarray(r))))[0]
     np.testing.assert_allclose(np.asarray(got), np.linalg.solve(dense, r), rtol=1e-9, atol=1e-12)
-
-
-@pytest.mark.parametrize("shift", [1e-4, 1.0, 1e3])
-def test_the_inverse_through_cholesky_is_the_woodbury_inverse(case, shift, monkeypatch):
-    """Large Grams are inverted through their Cholesky factor (`CHOLESKY_MIN`); forced here
-    at a small one, with padding entries, the preconditioner is the same exact inverse."""
-    problem, model, layer_mask, size = case
-    monkeypatch.setattr(_gram, "CHOLESKY_MIN", 0)
-    state = _gram.build(model, problem.mask, layer_mask, size, shift, "inverse")
-    _assert_woodbury(case, state, shift)
-
-
-_spd_inverse = jax.jit(_gram.spd_inverse)
-
-
-@pytest.mark.parametrize("shift", [1e-2, 10.0])
-def test_spd_inverse_by_halves_matches_lu(shift):
-    """1,100 rows: two levels of halving (1,100 → 550 → 275) before the triangular solves."""
-    n = 1100
-    k = np.random.default_rng(1).normal(size=(n, n // 2))
-    g = k @ k.T  # positive semi-definite, rank n/2
-    got = np.asarray(_spd_inverse(jnp.asarray(g), shift))
-    want = np.linalg.inv(g + shift * np.eye(n))
-    assert np.max(np.abs(got - got.T)) <= 1e-14 * np.max(np.abs(got))  # to rounding
-    assert np.linalg.norm(got - want) <= 1e-10 * np.linalg.norm(want)
-
-
-def test_spd_inverse_of_a_singular_gram_at_zero_shift_is_finite_and_positive_definite():
-    """A zero shift on a singular Gram is raised to its rounding level: the factor exists."""
-    k = np.random.default_rng(2).normal(size=(40, 10))
-    got = np.asarray(_spd_inverse(jnp.asarray(k @ k.T), 0.0))
-    assert np.all(np.isfinite(got))
-    assert np.linalg.eigvalsh(got).min() > 0
 
 
 def test_an_inverse_preconditioner_at_another_shift_is_off_by_at_most_the_shift_ratio(case):

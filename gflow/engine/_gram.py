@@ -18,12 +18,10 @@ point θ₀ (J₀ = J(θ₀)) and factorised once, in one of two ways:
 - `inverse` (default): M₀ = (s₀I + J₀J₀ᵀ)⁻¹ formed explicitly at the shift s₀ of the step that
   builds it, and M⁻¹ = (I − J₀ᵀM₀J₀)/s for the current shift s. Exact at s = s₀; for s ≠ s₀
   its eigenvalues on range(J₀ᵀ) are s₀/(s(s₀ + μ)) against 1/(s + μ), off by at most a factor
-  max(s/s₀, s₀/s), which costs CG iterations as the step size drifts. From `CHOLESKY_MIN`
-  observed entries it is formed as L⁻ᵀL⁻¹ from the Cholesky factor L, in matrix products
-  (`spd_inverse`), below by LU. Forming it takes about a third of an eigendecomposition's
-  time (|Ω| = 2,945 on 2 CPU cores, 2026-12-05: 0.62–0.69 s, LU 0.82–0.86 s, `eigh`
+  max(s/s₀, s₀/s), which costs CG iterations as the step size drifts. Forming it takes under
+  half an eigendecomposition's time (|Ω| = 2,945 on 2 CPU cores, 2026-12-05: 0.82 s against
   1.8–2.1 s), and applying it one matrix-vector product (a triangular solve per application,
-  as the factor L alone would need, is 20× slower on CPU).
+  as a Cholesky factor would need, is 20× slower on CPU).
 - `eigh`: JJᵀ = V diag(μ) Vᵀ, which serves every step size exactly:
   (s·I + J₀J₀ᵀ)⁻¹ = V diag(1/(s + μ)) Vᵀ, at two matrix-vector products an application. On
   the `scale` problem at d = 100 that exactness saves a tenth of the CG iterations (most come
@@ -85,50 +83,6 @@ def gram(layers, rows, cols, weight, layer_mask) -> jax.Array:
     return total * weight[:, None] * weight[None, :]
 
 
-# Grams with at least this many observed entries are inverted through their Cholesky factor
-# (`spd_inverse`); smaller ones by LU, which also copes with a shift below the Gram's rounding.
-CHOLESKY_MIN = 1024
-_BLOCK = 512  # below this, blocks of the triangular inverse are plain triangular solves
-
-
-def _lower_inverse(factor: jax.Array) -> jax.Array:
-    """L⁻¹ for a lower-triangular L, by halves: [[A, 0], [B, C]]⁻¹ = [[A⁻¹, 0], [−C⁻¹BA⁻¹, C⁻¹]]."""
-    n = factor.shape[0]
-    if n <= _BLOCK:
-        eye = jnp.eye(n, dtype=factor.dtype)
-        return jax.lax.linalg.triangular_solve(factor, eye, left_side=True, lower=True)
-    k = n // 2
-    top, bottom = _lower_inverse(factor[:k, :k]), _lower_inverse(factor[k:, k:])
-    below = -(bottom @ (factor[k:, :k] @ top))
-    return jnp.block([[top, jnp.zeros((k, n - k), factor.dtype)], [below, bottom]])
-
-
-def _lower_gram(inverse: jax.Array) -> jax.Array:
-    """Lᵀ L for a lower-triangular L, by halves."""
-    n = inverse.shape[0]
-    if n <= _BLOCK:
-        return inverse.T @ inverse
-    k = n // 2
-    top, below, bottom = inverse[:k, :k], inverse[k:, :k], inverse[k:, k:]
-    corner = below.T @ bottom
-    return jnp.block(
-        [[_lower_gram(top) + below.T @ below, corner], [corner.T, _lower_gram(bottom)]]
-    )
-
-
-def spd_inverse(g: jax.Array, shift) -> jax.Array:
-    """(s·I + g)⁻¹ for a positive semi-definite g, as L⁻ᵀL⁻¹ from the Cholesky factor L: about
-    1.7n³ flops, all but the factorisation in matrix products, against 2.7n³ for
-    `jnp.linalg.inv`'s LU (2 CPU cores: |Ω| = 2,945 0.62–0.69 s against 0.86 s, 5,838 4.3–4.6 s
-    against 5.7 s). The shift is raised to at least |Ω|·ε·max diag(g), the rounding of g's
-    smallest eigenvalues, so that the factor exists; the preconditioner is then a little less
-    exact on the rare step whose own shift is below that."""
-    size = g.shape[0]
-    floor = size * jnp.finfo(g.dtype).eps * jnp.max(jnp.abs(jnp.diagonal(g)))
-    factor = jnp.linalg.cholesky(g + jnp.maximum(shift, floor) * jnp.eye(size, dtype=g.dtype))
-    return _lower_gram(_lower_inverse(factor))
-
-
 def build(
     model: Factorization, mask, layer_mask, size: int, shift, factorization: str = "inverse"
 ) -> GaussNewtonState:
@@ -143,10 +97,7 @@ def build(
         values, matrix = jnp.linalg.eigh(g)
         values = jnp.maximum(values, 0.0)
     else:
-        if size >= CHOLESKY_MIN:
-            matrix = spd_inverse(g, shift)
-        else:
-            matrix = jnp.linalg.inv(g + shift * jnp.eye(size, dtype=g.dtype))
+        matrix = jnp.linalg.inv(g + shift * jnp.eye(size, dtype=g.dtype))
         matrix = 0.5 * (matrix + matrix.T)  # symmetric to rounding: CG needs an SPD map
         values = jnp.full((1,), shift, g.dtype)
     ok = jnp.all(jnp.isfinite(values)) & jnp.all(jnp.isfinite(matrix))

@@ -113,7 +113,7 @@ class FlowOptions(eqx.Module):
     - `preconditioner`: of that CG: `gauss-newton` (default: the Woodbury solve through the
       |Ω| × |Ω| NTK Gram, docs/theory.md §5), `spectral` (a randomized rank-64 sketch of the
       Hessian) or `none`; `gauss_newton`: how its Gram is factorised, `inverse` (default: its
-      inverse at the shift of the step that builds it, 2–3× cheaper to form; the `scale`
+      inverse at the shift of the step that builds it, 2–2.5× cheaper to form; the `scale`
       problem at d = 100: 1.35× faster solve, 2026-12-05) or `eigh` (serves every shift).
     - `divergence_bound`: |θ_i| above this counts as diverged.
     - `stop_loss`: stop early, with status `loss_reached`, where the loss has fallen to this
