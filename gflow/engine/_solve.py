@@ -75,14 +75,15 @@ def solve(
     if options.certificates:
         y0["energy"] = jnp.zeros((), dtype)
     n1 = options.save if options.clock_in_use != "physical" else 0
-    hands_over = _loss_clock_steps(options) < options.max_steps
+    clock_steps = _loss_clock_steps(options)
+    hands_over = clock_steps < options.max_steps
     first = loss_clock_phase(
         setup,
         solvers["loss clock"],
         y0,
         tau_switch,
         _dt0(options),
-        _loss_clock_steps(options),
+        clock_steps,
         n1,
         options.lean,
         LOSS_CLOCK_STALL if hands_over else 0,
