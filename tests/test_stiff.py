@@ -128,7 +128,9 @@ def test_auto_strategy_finishes_a_stiff_tail_that_stalls_tsit5(stiff_case):
     assert auto.end_phase == gflow.Phase.STIFF_TAIL  # the Rosenbrock phase ran
     tail = auto.work()["stiff tail"]
     assert int(auto.num_rhs_evals) == sum(p["rhs_evals"] for p in auto.work().values())
-    assert tail["rhs_evals"] == 7 * tail["steps"] + 2  # six stages and the stopping rule
+    # six stages a step, and the stopping rule at the start and at every accepted point
+    accepted = tail["steps"] - tail["rejected_steps"]
+    assert tail["rhs_evals"] == 6 * tail["steps"] + accepted + 1
     assert float(auto.loss) <= 1e-20 * float(auto.loss_init)
     reference = gflow.flow(problem, init, solver="rodas4", rtol=1e-12)
     assert reference.status_label == "converged"
@@ -209,6 +211,48 @@ def test_a_deferred_stiff_tail_finished_alone_is_the_same_flow(stiff_case):
     np.testing.assert_array_equal(
         np.asarray(easy_run.model.product()), np.asarray(head.member(1).model.product())
     )
+
+
+def test_the_lean_tail_takes_the_steps_of_diffeqsolve():
+    """With nothing saved the stiff tail runs in `_solver_loop`, which keeps the Gauss–Newton
+    preconditioner from a rejected step instead of restoring it: the same steps (rejected ones
+    included), the same linear-solver work and the same endpoint, bit for bit, as the tail in
+    `diffeqsolve`. A d = 8 random mask whose CG tail rejects steps and rebuilds."""
+    from gflow.engine import _phases, _solve
+
+    problem = gflow.bernoulli(8, 8, 0.5, 2, key=jax.random.key(1))
+    init = gflow.gaussian([8] * 5, 0.1, key=jax.random.key(11))
+    options = gflow.FlowOptions()
+    observed = int(np.sum(np.asarray(problem.mask) != 0))
+    head = jax.jit(lambda p, m: gflow.solve(p, m, options, observed=observed, defer_tail=True))(
+        problem, init
+    )
+    assert head.status_label == "pending"
+    setup = _solve._setup(problem, init, options, None).for_tail()
+    solver = _solve._solvers(options, setup, None, observed)["stiff"]
+    t1 = setup.t_max - head.t_end
+
+    def tail(lean):
+        def run(y):
+            if lean:
+                return _phases.stiff_phase(setup, solver, y, head.t_end, t1, options.max_steps)
+            return _phases.physical_phase(
+                setup, solver, y, head.t_end, t1, None, options.max_steps, lean=False
+            )
+
+        return jax.jit(run)({"model": head.model})
+
+    lean, full = tail(True), tail(False)
+    assert int(lean.status) == int(full.status) == gflow.Status.CONVERGED
+    assert int(full.stats.num_rejected_steps) > 0 and int(full.stats.factorizations) > 1
+    for field in ("num_steps", "num_rejected_steps", "linear_iters", "factorizations"):
+        assert int(getattr(lean.stats, field)) == int(getattr(full.stats, field)), field
+    assert float(lean.t) == float(full.t)
+    for a, b in zip(lean.y["model"].layers, full.y["model"].layers, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # diffrax tests the stopping rule after rejected steps too
+    rejected = int(full.stats.num_rejected_steps)
+    assert int(lean.stats.rhs_evals) == int(full.stats.rhs_evals) - rejected - 1
 
 
 def test_tails_finished_side_by_side_equal_tails_finished_one_by_one(stiff_case):

@@ -1,6 +1,7 @@
 """One clock phase of a solve: integrate from a state until the phase's end, and say how it
-ended. A phase runs either in diffrax's `diffeqsolve` (saving, events, implicit solvers) or in
-gflow's own explicit Runge–Kutta loop (`_runge_kutta`, when nothing is saved)."""
+ended. A phase runs either in diffrax's `diffeqsolve` (saving, events, implicit solvers) or,
+when nothing is saved, in one of gflow's own loops: `_runge_kutta` for the explicit phases,
+`_solver_loop` for the stiff tail."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ._dynamics import (
 )
 from ._result import Status, select_status, solver_code
 from ._runge_kutta import REACHED_END, STOPPED, all_finite, integrate
+from ._solver_loop import integrate_solver
 from ._stopping import ROUNDING_RATIO, convergence, is_diverged, rounding_ratio
 
 CONTINUE = -1  # a phase that reached its end without a final status: the next phase goes on
@@ -351,6 +353,35 @@ def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean)
     return run
 
 
+def stiff_phase(setup: Setup, solver, y0, t_offset, t1, max_steps) -> PhaseRun:
+    """The stiff tail in physical time from local time 0 (absolute time `t_offset`) to `t1`, or
+    until the stopping rule fires: in `_solver_loop`'s lean loop when nothing is saved (it
+    keeps the preconditioner out of a copy per step), else in `diffeqsolve`."""
+    saves = setup.save_ts is not None or bool(setup.save)
+    adaptive = isinstance(setup.controller, diffrax.AbstractAdaptiveStepSizeController)
+    if saves or not adaptive:
+        return physical_phase(setup, solver, y0, t_offset, t1, None, max_steps, lean=False)
+    args = FieldArgs(setup.problem, t_offset, False, setup.layer_mask)
+    run = integrate_solver(
+        solver, setup.controller, physical_field, setup.stop, y0, t1, args, max_steps
+    )
+    stopped = run.result == diffrax.RESULTS.event_occurred
+    status = _status(setup, run.y, run.result, stopped, False, Status.T_MAX)
+    per_step = rhs_evals_per_step(solver)
+    stats = StepStats(
+        num_steps=run.num_steps,
+        num_accepted_steps=run.num_accepted_steps,
+        num_rejected_steps=run.num_steps - run.num_accepted_steps,
+        # every stage of every step, and the stopping rule at y0 and at each accepted point
+        rhs_evals=per_step * run.num_steps + run.num_accepted_steps + 1
+        if per_step > 0
+        else jnp.where(run.num_steps > 0, -1, 0),
+        solver_code=solver_code(run.result),
+        **_linear_work(run.solver_state),
+    )
+    return PhaseRun(run.y, run.t, status, stats, {})
+
+
 def _diffeqsolve(setup: Setup, field, solver, y0, t1, dt0, args, max_steps, event, grid):
     """`diffeqsolve` from local time 0 to `t1`; it reports its failures, it does not raise."""
     return diffrax.diffeqsolve(
@@ -386,40 +417,55 @@ def _diffrax_run(setup: Setup, sol, solver, end_status, samples: bool) -> PhaseR
     y_end = jax.tree_util.tree_map(lambda x: x[-1], ys)
     event = jnp.asarray(sol.result == diffrax.RESULTS.event_occurred)
     mask = sol.event_mask
-    floor = []
-    if setup.rounding_floor:  # the stop fired on the rounding floor, not on the stopping rule
-        model = y_end["model"]
-        loss, g = masked_loss_and_gradient(model, setup.problem, setup.layer_mask)
-        ratio, _ = convergence(loss, g, model, setup.rtol, setup.atol, setup.layer_mask, jnp.inf)
-        at_floor = setup.at_rounding_floor(loss, g, model) & ~(ratio <= 1.0)
-        floor = [(event & mask["stop"] & at_floor, Status.ROUNDING_FLOOR)]
-    status = select_status(
-        [
-            (is_diverged(y_end["model"], setup.problem, setup.divergence_bound), Status.DIVERGED),
-            *floor,
-            (event & mask["stop"], Status.CONVERGED),  # not diverged nor at the floor (above)
-            (event & mask.get("t_max", False), Status.T_MAX),
-            (sol.result == diffrax.RESULTS.successful, end_status),
-            (sol.result == diffrax.RESULTS.max_steps_reached, Status.MAX_STEPS),
-        ],
-        otherwise=Status.FAILED,
+    status = _status(
+        setup, y_end, sol.result, event & mask["stop"], event & mask.get("t_max", False), end_status
     )
     num_steps = sol.stats["num_steps"]
     per_step = rhs_evals_per_step(solver)
-    state = sol.solver_state
     stats = StepStats(
         num_steps=num_steps,
         num_accepted_steps=sol.stats["num_accepted_steps"],
         num_rejected_steps=sol.stats["num_rejected_steps"],
-        linear_iters=state["iters"] if isinstance(state, dict) else jnp.asarray(0, jnp.int32),
-        factorizations=state["factorizations"]
-        if isinstance(state, dict)
-        else jnp.asarray(0, jnp.int32),
         # known per step (explicit tableaus, RODAS4), +1 per step for the stopping rule, f(y0)
         # and the test at y0; diffrax's implicit solvers: not counted
         rhs_evals=num_steps * (per_step + 1) + 2
         if per_step > 0
         else jnp.where(num_steps > 0, -1, 0),
         solver_code=solver_code(sol.result),
+        **_linear_work(sol.solver_state),
     )
     return PhaseRun(y_end, ts[-1], status, stats, dict(sol.ys[1]) if samples else {})
+
+
+def _status(setup: Setup, y_end, result, stopped, at_t_max, end_status) -> jax.Array:
+    """A phase's status from where it ended, diffrax's `result`, and whether the stopping test
+    (`stopped`) or the horizon `t_max` ended it."""
+    floor = []
+    if setup.rounding_floor:  # the stop fired on the rounding floor, not on the stopping rule
+        model = y_end["model"]
+        loss, g = masked_loss_and_gradient(model, setup.problem, setup.layer_mask)
+        ratio, _ = convergence(loss, g, model, setup.rtol, setup.atol, setup.layer_mask, jnp.inf)
+        at_floor = setup.at_rounding_floor(loss, g, model) & ~(ratio <= 1.0)
+        floor = [(stopped & at_floor, Status.ROUNDING_FLOOR)]
+    return select_status(
+        [
+            (is_diverged(y_end["model"], setup.problem, setup.divergence_bound), Status.DIVERGED),
+            *floor,
+            (stopped, Status.CONVERGED),  # not diverged nor at the floor (above)
+            (at_t_max, Status.T_MAX),
+            (result == diffrax.RESULTS.successful, end_status),
+            (result == diffrax.RESULTS.max_steps_reached, Status.MAX_STEPS),
+        ],
+        otherwise=Status.FAILED,
+    )
+
+
+def _linear_work(solver_state) -> dict:
+    """`StepStats`' linear-solver counts from a `Rodas4` state (zero for other solvers)."""
+    if not isinstance(solver_state, dict):
+        zero = jnp.asarray(0, jnp.int32)
+        return {"linear_iters": zero, "factorizations": zero}
+    return {
+        "linear_iters": solver_state["iters"],
+        "factorizations": solver_state["factorizations"],
+    }

@@ -517,6 +517,14 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
 
     term_structure: ClassVar = diffrax.AbstractTerm
     interpolation_cls: ClassVar[Callable[..., RosenbrockInterpolation]] = RosenbrockInterpolation
+    # State a loop may keep from a rejected step instead of restoring it (`_solver_loop`): the
+    # structured preconditioner changes only in a step that rebuilds it, and whether a step
+    # rebuilds is decided from the state it starts from. A rejected step's retry starts from
+    # the same state, so it rebuilds again where the rejected step did (the kept one is then
+    # overwritten), and otherwise the kept one is the one it started with. Only under a
+    # batch (whose rebuilds are shared) can a rejected member keep a preconditioner built at
+    # its own point that `diffeqsolve` would have discarded: still a valid SPD one.
+    kept_on_rejection: ClassVar[tuple[str, ...]] = ("structured",)
     linear_solver: str = "auto"
     tableau: str = "rodas4p2"
     symmetric: bool = False

@@ -31,6 +31,7 @@ from ._phases import (
     Setup,
     loss_clock_phase,
     physical_phase,
+    stiff_phase,
     summary,
 )
 from ._result import FlowResult, Phase, Status, Trajectory
@@ -321,16 +322,8 @@ def _stiff_tail(setup: Setup, solver, end: _Ending, handover, batch_axis, max_st
     a predicate shared by the batch."""
 
     def run():
-        return physical_phase(
-            setup.for_tail(),
-            solver,
-            end.y,
-            end.t,
-            jnp.where(handover, setup.t_max - end.t, 0.0),
-            None,
-            max_steps,
-            lean=False,
-        )
+        t1 = jnp.where(handover, setup.t_max - end.t, 0.0)
+        return stiff_phase(setup.for_tail(), solver, end.y, end.t, t1, max_steps)
 
     run_it = handover
     if batch_axis is not None:
