@@ -63,12 +63,11 @@ def integrate_solver(
     for _ in range(100):
         t1_floor = jnp.nextafter(t1_floor, jnp.asarray(-jnp.inf, dtype))
 
+    def unfinished(carry):
+        return (carry["tprev"] < t1) & (carry["result"] == diffrax.RESULTS.successful)
+
     def running(carry):
-        return (
-            (carry["tprev"] < t1)
-            & (carry["result"] == diffrax.RESULTS.successful)
-            & (carry["num_steps"] < max_steps)
-        )
+        return unfinished(carry) & (carry["num_steps"] < max_steps)
 
     def body(carry):
         y, tprev, tnext = carry["y"], carry["tprev"], carry["tnext"]
@@ -121,7 +120,9 @@ def integrate_solver(
         "num_accepted_steps": zero,
     }
     out = jax.lax.while_loop(running, body, carry)
-    result = diffrax.RESULTS.where(running(out), diffrax.RESULTS.max_steps_reached, out["result"])
+    result = diffrax.RESULTS.where(
+        unfinished(out), diffrax.RESULTS.max_steps_reached, out["result"]
+    )
     return SolverRun(
         y=out["y"],
         t=out["tprev"],
