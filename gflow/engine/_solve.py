@@ -4,7 +4,7 @@
    the loss has dropped by `loss_clock_until` (or not at all when the clock is physical).
 2. Physical time with the explicit solver (or the one solver that was forced).
 3. With `solver="auto"`: when the explicit solver has spent `explicit_steps` steps without
-   converging (a stiff tail), an L-stable Rosenbrock method (RODAS4P2 by default) to the end.
+   converging (a stiff tail), an L-stable Rosenbrock method (RODAS5P by default) to the end.
 
 Every phase starts where the previous one stopped; the first that reaches a final status
 (converged, diverged, t_max, …) ends the solve.
