@@ -129,9 +129,11 @@ def test_auto_strategy_finishes_a_stiff_tail_that_stalls_tsit5(stiff_case):
     tail = auto.work()["stiff tail"]
     assert int(auto.num_rhs_evals) == sum(p["rhs_evals"] for p in auto.work().values())
     # every stage of every step, and the stopping rule at the start and at each accepted point
+    from gflow.engine._flow import observed_bound
     from gflow.engine._rosenbrock import TABLEAUS
+    from gflow.engine._solve import tail_tableau
 
-    stages = TABLEAUS[gflow.FlowOptions().rosenbrock].stages
+    stages = TABLEAUS[tail_tableau(gflow.FlowOptions(), observed_bound(problem))].stages
     accepted = tail["steps"] - tail["rejected_steps"]
     assert tail["rhs_evals"] == stages * tail["steps"] + accepted + 1
     assert float(auto.loss) <= 1e-20 * float(auto.loss_init)
@@ -296,13 +298,30 @@ def test_dense_output_inside_a_step_is_third_order(tableau):
     assert np.all(orders > 2.8), orders
 
 
+def test_auto_takes_rodas5p_where_the_gram_is_large():
+    """`rosenbrock="auto"` (the default): RODAS5P where the Gauss–Newton preconditioner holds
+    ≥ 1,024 observed entries (fewer steps, so fewer builds and |Ω|²-sized applications), else
+    RODAS4P2 (whose cheaper steps win on small flows that spend their step budget)."""
+    from gflow.engine._solve import RODAS5P_MIN_OBSERVED, tail_tableau
+
+    default = gflow.FlowOptions()
+    assert default.rosenbrock == "auto"
+    assert tail_tableau(default, RODAS5P_MIN_OBSERVED) == "rodas5p"
+    assert tail_tableau(default, RODAS5P_MIN_OBSERVED - 1) == "rodas4p2"
+    assert tail_tableau(default, None) == "rodas4p2" == Rodas4().tableau
+    spectral = gflow.FlowOptions(preconditioner="spectral")
+    assert tail_tableau(spectral, 10 * RODAS5P_MIN_OBSERVED) == "rodas4p2"
+    for name in ("rodas4", "rodas4p", "rodas4p2", "rodas5p"):
+        assert tail_tableau(gflow.FlowOptions(rosenbrock=name), 10**5) == name
+
+
 def test_the_tableaus_are_the_same_method_family():
     """Each tableau is stiffly accurate (the solution is the last stage's argument plus K_s)
     and every option name has a tableau."""
     from gflow.engine._options import ROSENBROCK
     from gflow.engine._rosenbrock import TABLEAUS
 
-    assert set(ROSENBROCK) == set(TABLEAUS) and ROSENBROCK[0] == Rodas4().tableau
+    assert set(ROSENBROCK) == set(TABLEAUS) | {"auto"}
     for t in TABLEAUS.values():
         s = t.stages
         assert t.m == [t.a[(s, j)] for j in range(1, s)] + [1.0]
@@ -352,8 +371,7 @@ def test_each_tableau_converges_at_its_order():
 def test_every_tableau_lands_on_the_same_endpoint(stiff_case):
     problem, init, auto = stiff_case
     assert auto.work()["stiff tail"]["steps"] > 0
-    assert gflow.FlowOptions().rosenbrock == "rodas5p"
-    for tableau in ("rodas4", "rodas4p2"):
+    for tableau in ("rodas4", "rodas5p"):
         other = gflow.flow(problem, init, rosenbrock=tableau)
         assert other.status_label == "converged" and "stiff tail" in other.work()
         np.testing.assert_allclose(

@@ -14,7 +14,7 @@ LEAN_SOLVERS = ("auto", "tsit5", "dopri5")  # FSAL tableaus that gflow's own loo
 CLOCKS = ("auto", "physical", "loss")
 LINEAR_SOLVERS = ("auto", "dense", "cg")
 # the Rosenbrock tableaus of the stiff tail (`_rosenbrock.TABLEAUS`), the default first
-ROSENBROCK = ("rodas4p2", "rodas5p", "rodas4p", "rodas4")
+ROSENBROCK = ("auto", "rodas4p2", "rodas5p", "rodas4p", "rodas4")
 PRECONDITIONERS = ("gauss-newton", "spectral", "none")
 GAUSS_NEWTON = ("inverse", "eigh")
 TAIL_SCALES = ("layer", "entry")
@@ -81,8 +81,8 @@ class FlowOptions(eqx.Module):
       the stop is not an endpoint, and it does not mean the flow's limit is decided by
       rounding: the rounding sits mostly in directions that have converged, and the flow can
       still leave the plateau the same way every time (a d = 8 random mask, depth 5,
-      α = 3e-4 converges after 95k steps to singular values reproduced to 1e-12 from inits
-      perturbed by 1e-15, where this stop fired after 25; docs/theory.md §5).
+      α = 3e-4, with RODAS4P2, converges after 95k steps to singular values reproduced to
+      1e-12 from inits perturbed by 1e-15, where this stop fired after 25; docs/theory.md §5).
     - `rounding_allowance`: an opt-in (default off) widening of the stiff tail's step
       tolerance by what float64 rounding in the gradient can put in a step's error: κ·h·δg per
       parameter, δg a bound on the rounding in its gradient component and κ how much the
@@ -107,12 +107,15 @@ class FlowOptions(eqx.Module):
       parameters, else matrix-free CG on Hessian-vector products; up to 1,024 parameters a
       step whose CG does not converge within about a dense step's cost is solved densely),
       `dense` or `cg`.
-    - `rosenbrock`: the tableau of that Rosenbrock method: `rodas5p` (default since
-      2026-12-05: order 5, eight stages, 1.4–2× fewer tail steps than `rodas4p2` and fewer
-      preconditioner builds; the `scale` problem at d = 100 1.07× faster), `rodas4p2` (order
-      4, six stages, the default before; an independent check of an endpoint), `rodas4p` or
-      `rodas4` (Hairer–Wanner's, which loses order on stiff flow tails and takes 1.9–2.6× the
-      steps; docs/theory.md §5).
+    - `rosenbrock`: the tableau of that Rosenbrock method: `auto` (default): `rodas5p` where
+      the Gauss–Newton preconditioner holds ≥ 1,024 observed entries, else `rodas4p2`;
+      `rodas4p2` (order 4, six stages); `rodas5p` (order 5, eight stages: 1.4–2× fewer tail
+      steps and fewer preconditioner builds, so faster where those dominate: the `scale`
+      problem 1.04–1.15× at d = 100, d = 200 in 506 s; but slower where flows spend their
+      whole step budget: the 112-flow d = 8 sweep took 742 s, against 615 s with `rodas4p2`
+      the same morning, 2026-12-05); either
+      is an independent check of the other's endpoint; `rodas4p` or `rodas4` (Hairer–Wanner's,
+      which loses order on stiff flow tails and takes 1.9–2.6× the steps; docs/theory.md §5).
     - `preconditioner`: of that CG: `gauss-newton` (default: the Woodbury solve through the
       |Ω| × |Ω| NTK Gram, docs/theory.md §5), `spectral` (a randomized rank-64 sketch of the
       Hessian) or `none`; `gauss_newton`: how its Gram is factorised, `inverse` (default: its
@@ -145,7 +148,7 @@ class FlowOptions(eqx.Module):
     save_layers: bool = False
     certificates: bool = False
     linear_solver: str = "auto"
-    rosenbrock: str = "rodas5p"
+    rosenbrock: str = "auto"
     preconditioner: str = "gauss-newton"
     gauss_newton: str = "inverse"
     divergence_bound: float = 1e100

@@ -12,12 +12,12 @@ Four tableaus of the same form, for autonomous systems with s stages
     (I/(hγ) − J) K_i = f(y + Σ_j a_ij K_j) + Σ_j (c_ij/h) K_j,
     y₁ = y + Σ m_i K_i (m_i = a_si, then 1: stiffly accurate),  error = K_s:
 
-- `rodas4p2` (s = 6, γ = 1/4; `Rodas4`'s own default): G. Steinebach, "Improvement of
-  Rosenbrock-Wanner method RODASP", in *Progress in Differential-Algebraic Equations II*,
-  Springer 2020, pp. 165–184;
-- `rodas5p` (s = 8, γ ≈ 0.2119, order 5; `flow`'s default): G. Steinebach, "Construction of
-  Rosenbrock–Wanner method Rodas5P and numerical benchmarks within the Julia Differential
-  Equations package", BIT Numer. Math. 63 (2023);
+- `rodas4p2` (s = 6, γ = 1/4; the default, and `flow`'s below 1,024 observed entries):
+  G. Steinebach, "Improvement of Rosenbrock-Wanner method RODASP", in *Progress in
+  Differential-Algebraic Equations II*, Springer 2020, pp. 165–184;
+- `rodas5p` (s = 8, γ ≈ 0.2119, order 5; `flow`'s from 1,024 observed entries):
+  G. Steinebach, "Construction of Rosenbrock–Wanner method Rodas5P and numerical benchmarks
+  within the Julia Differential Equations package", BIT Numer. Math. 63 (2023);
 - `rodas4p` (s = 6, γ = 1/4): G. Steinebach, "Order-reduction of ROW-methods for DAEs and
   method of lines applications", preprint 1741, TH Darmstadt 1995;
 - `rodas4` (s = 6, γ = 1/4): E. Hairer and G. Wanner, *Solving Ordinary Differential Equations
@@ -30,7 +30,8 @@ Measured (benchmarks/README, `scale`): RODAS4P2 reaches the same endpoints in 1.
 2.6× (d = 8, depth 3) fewer steps than RODAS4 at rtol 1e-10; RODAS5P in 1.4–2× fewer than
 RODAS4P2. Each of its steps solves eight systems instead of six, at more CG iterations per
 system, but with fewer steps go fewer preconditioner builds: 1.04–1.15× faster on the `scale`
-problem at d = 50 and 100, the same time to noise on d = 8 random masks (2026-12-05).
+problem at d = 50 and 100, the same time to noise on single d = 8 random masks, and slower
+on a sweep whose slowest flows spend their whole step budget (2026-12-05; `_solve.tail_tableau`).
 """
 
 from __future__ import annotations

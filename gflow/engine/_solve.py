@@ -4,7 +4,8 @@
    the loss has dropped by `loss_clock_until` (or not at all when the clock is physical).
 2. Physical time with the explicit solver (or the one solver that was forced).
 3. With `solver="auto"`: when the explicit solver has spent `explicit_steps` steps without
-   converging (a stiff tail), an L-stable Rosenbrock method (RODAS5P by default) to the end.
+   converging (a stiff tail), an L-stable Rosenbrock method (RODAS4P2, or RODAS5P on large
+   problems: `tail_tableau`) to the end.
 
 Every phase starts where the previous one stopped; the first that reaches a final status
 (converged, diverged, t_max, …) ends the solve.
@@ -67,7 +68,7 @@ def solve(
     member alone, from the same state, as this solve would have."""
     dtype = model.layers[0].dtype
     layer_mask = None if depth is None else (jnp.arange(model.depth) < depth).astype(dtype)
-    setup = _setup(problem, model, options, layer_mask)
+    setup = _setup(problem, model, options, layer_mask, observed)
     solvers = _solvers(options, setup, batch_axis, observed)
     loss0, g0 = masked_loss_and_gradient(model, problem, layer_mask)
     use_loss_clock, tau_switch = _loss_clock_span(problem, model, options, depth, loss0, g0)
@@ -150,7 +151,7 @@ def finish_tail(
     `PENDING` is returned as it is (the branch costs it nothing). `model` and `head` are
     unpadded: a depth-padded solve's tail runs at its true depth (`finish_tails` strips the
     frozen identity layers first)."""
-    setup = _setup(problem, model, options, None)
+    setup = _setup(problem, model, options, None, observed)
     solver = _solvers(options, setup, None, observed)["stiff"]
     y = {"model": head.model}
     if options.certificates:
@@ -190,7 +191,7 @@ def _pick(condition, a: dict, b: dict, keys) -> dict:
     }
 
 
-def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
+def _setup(problem, model, options: FlowOptions, layer_mask, observed=None) -> Setup:
     rtol = options.rtol
     atol = options.atol if options.atol is not None else default_atol(model, rtol, layer_mask)
     norm = {} if layer_mask is None else {"norm": MaskedRMS(layer_mask)}
@@ -204,7 +205,8 @@ def _setup(problem, model, options: FlowOptions, layer_mask) -> Setup:
 
     tail_rtol = rtol if options.tail_rtol is None else options.tail_rtol
     tail_tolerance = (tail_rtol, atol * (tail_rtol / rtol))
-    tail_gain = rounding_gain(TABLEAUS[options.rosenbrock]) if options.rounding_allowance else 0.0
+    tableau = TABLEAUS[tail_tableau(options, observed)]
+    tail_gain = rounding_gain(tableau) if options.rounding_allowance else 0.0
     return Setup(
         problem=problem,
         layer_mask=layer_mask,
@@ -236,6 +238,29 @@ def _starts_from_previous_step(structured) -> bool:
     return structured is not None and structured.size >= PREVIOUS_START_MIN_OBSERVED
 
 
+# Observed entries from which `rosenbrock="auto"` takes RODAS5P (else RODAS4P2): there a step
+# costs its Gram builds and |Ω|²-sized preconditioner applications, and RODAS5P's half as many
+# steps need fewer of both. Measured side by side (benchmarks/README, 2026-12-05): the `scale`
+# problem at |Ω| = 2,945 (d = 100) 1.04–1.15× faster, at 12,000 (d = 200) 505.6 s (576.8 s
+# with RODAS4P2 in `diffeqsolve`); at 704 (d = 50) 1.04–1.09×; but the 112-flow d = 8 sweep
+# (|Ω| ≤ 64) took 742 s with it, against 615 s that morning with RODAS4P2 (in `diffeqsolve`,
+# not side by side): flows that spend their whole step budget pay 8 stages a step, not 6.
+RODAS5P_MIN_OBSERVED = 1024
+
+
+def tail_tableau(options: FlowOptions, observed: int | None) -> str:
+    """The stiff tail's tableau: `options.rosenbrock`, with `auto` resolved by the number of
+    observed entries the Gauss–Newton preconditioner holds."""
+    if options.rosenbrock != "auto":
+        return options.rosenbrock
+    large = (
+        options.preconditioner == "gauss-newton"
+        and observed is not None
+        and observed >= RODAS5P_MIN_OBSERVED
+    )
+    return "rodas5p" if large else "rodas4p2"
+
+
 def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
     """The solver of each phase. In physical time the Jacobian is −∇²loss (symmetric) and the
     energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖²."""
@@ -247,7 +272,7 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
         preconditioner_rank=0 if options.preconditioner == "none" else 64,
         batch_axis=batch_axis,
         linear_solver=options.linear_solver,
-        tableau=options.rosenbrock,
+        tableau=tail_tableau(options, observed),
         stage_start="previous" if _starts_from_previous_step(structured) else "stages",
         step_tolerance=setup.tail_tolerance,
         symmetric=True,
@@ -266,7 +291,7 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
     if options.solver == "rodas4":
         loss_clock = Rodas4(
             linear_solver="dense",
-            tableau=options.rosenbrock,
+            tableau=tail_tableau(options, None),
             step_tolerance=(setup.rtol, setup.atol),
         )
     return {"loss clock": loss_clock, "explicit": explicit, "stiff": stiff}
