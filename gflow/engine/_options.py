@@ -13,7 +13,8 @@ FIXED_STEP = ("euler",)
 LEAN_SOLVERS = ("auto", "tsit5", "dopri5")  # FSAL tableaus that gflow's own loop runs
 CLOCKS = ("auto", "physical", "loss")
 LINEAR_SOLVERS = ("auto", "dense", "cg")
-# the Rosenbrock tableaus of the stiff tail (`_rosenbrock.TABLEAUS`), the default first
+# the stiff tail's Rosenbrock tableau: `auto` (the default, `_solve.tail_tableau`), then the
+# tableaus of `_rosenbrock.TABLEAUS`
 ROSENBROCK = ("auto", "rodas4p2", "rodas5p", "rodas4p", "rodas4")
 PRECONDITIONERS = ("gauss-newton", "spectral", "none")
 GAUSS_NEWTON = ("inverse", "eigh")
@@ -113,9 +114,9 @@ class FlowOptions(eqx.Module):
       steps and fewer preconditioner builds, so faster where those dominate: the `scale`
       problem 1.04–1.15× at d = 100, d = 200 in 506 s; but slower where flows spend their
       whole step budget: the 112-flow d = 8 sweep took 742 s, against 615 s with `rodas4p2`
-      the same morning, 2026-12-05); either
-      is an independent check of the other's endpoint; `rodas4p` or `rodas4` (Hairer–Wanner's,
-      which loses order on stiff flow tails and takes 1.9–2.6× the steps; docs/theory.md §5).
+      the same morning, 2026-12-05); either is an independent check of the other's endpoint;
+      `rodas4p` or `rodas4` (Hairer–Wanner's, which loses order on stiff flow tails and takes
+      1.9–2.6× the steps; docs/theory.md §5).
     - `preconditioner`: of that CG: `gauss-newton` (default: the Woodbury solve through the
       |Ω| × |Ω| NTK Gram, docs/theory.md §5), `spectral` (a randomized rank-64 sketch of the
       Hessian) or `none`; `gauss_newton`: how its Gram is factorised, `inverse` (default: its

@@ -26,6 +26,19 @@ import jax.numpy as jnp
 # How the loop ended (`Integration.outcome`).
 RUNNING, STOPPED, REACHED_END, MAX_STEPS = 0, 1, 2, 3
 
+# diffrax's first step for an `ODETerm` wrapped as `diffeqsolve` wraps it (`dt0=None`): its
+# `_select_initial_step` only recognises a bare `ODETerm`, and otherwise returns 0.01.
+# gflow's own loops start there too, to stay on `diffeqsolve`'s steps.
+DIFFRAX_FIRST_STEP = 0.01
+
+
+def end_floor(t1):
+    """t1 − 100 ulp: a step ending past it ends at t1 (as in `diffeqsolve`)."""
+    floor = t1
+    for _ in range(100):
+        floor = jnp.nextafter(floor, jnp.asarray(-jnp.inf, t1.dtype))
+    return floor
+
 
 class Integration(NamedTuple):
     y: object
@@ -69,7 +82,7 @@ def integrate(
     safety: float = 0.9,
     factormin: float = 0.2,
     factormax: float = 10.0,
-    first_step: float = 0.01,
+    first_step: float = DIFFRAX_FIRST_STEP,
     stall_rejections: int = 0,
 ) -> Integration:
     """Integrate dy/dt = f(y) from t = 0 towards `t1` with an embedded FSAL pair.
@@ -89,15 +102,8 @@ def integrate(
     dtype = jnp.result_type(*jax.tree_util.tree_leaves(y0))
     t1 = jnp.asarray(t1, dtype)
     f0, done0 = field(y0)
-    # diffrax's first step for an `ODETerm` wrapped as `diffeqsolve` wraps it: its
-    # `_select_initial_step` only recognises a bare `ODETerm`, and otherwise returns 0.01.
-    # Matching it keeps both loops on the same steps.
     dt0 = jnp.asarray(first_step, dtype)
-
-    # t1 − 100 ulp: a step ending past it ends at t1 (as diffrax does).
-    t1_floor = t1
-    for _ in range(100):
-        t1_floor = jnp.nextafter(t1_floor, jnp.asarray(-jnp.inf, dtype))
+    t1_floor = end_floor(t1)
 
     a_rows = list(tableau.a_lower)
     b_sol, b_err = tableau.b_sol, tableau.b_error

@@ -291,7 +291,7 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
     if options.solver == "rodas4":
         loss_clock = Rodas4(
             linear_solver="dense",
-            tableau=tail_tableau(options, None),
+            tableau=stiff.tableau,
             step_tolerance=(setup.rtol, setup.atol),
         )
     return {"loss clock": loss_clock, "explicit": explicit, "stiff": stiff}

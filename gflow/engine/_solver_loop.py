@@ -20,9 +20,7 @@ import diffrax
 import jax
 import jax.numpy as jnp
 
-# The first step `diffeqsolve` takes with `dt0=None`: its initial-step heuristic recognises a
-# bare `ODETerm` only, and the term it passes on is wrapped, so it starts from 0.01.
-FIRST_STEP = 0.01
+from ._runge_kutta import DIFFRAX_FIRST_STEP, end_floor
 
 
 class SolverRun(NamedTuple):
@@ -54,14 +52,12 @@ def integrate_solver(
     t1 = jnp.asarray(t1, dtype)
     error_order = solver.error_order(term)
     tnext, controller_state = controller.init(
-        term, t0, t1, y0, FIRST_STEP, args, solver.func, error_order
+        term, t0, t1, y0, DIFFRAX_FIRST_STEP, args, solver.func, error_order
     )
     tnext = jnp.minimum(tnext, t1)
     solver_state = solver.init(term, t0, tnext, y0, args)
     kept = getattr(solver, "kept_on_rejection", ())
-    t1_floor = t1  # a step ending within 100 ulp of t1 ends at t1, as in diffeqsolve
-    for _ in range(100):
-        t1_floor = jnp.nextafter(t1_floor, jnp.asarray(-jnp.inf, dtype))
+    t1_floor = end_floor(t1)
 
     def unfinished(carry):
         return (carry["tprev"] < t1) & (carry["result"] == diffrax.RESULTS.successful)
