@@ -93,7 +93,8 @@ class FlowOptions(eqx.Module):
       d = 8 random mask, depth 5, α = 3e-4 took 95k tail steps (3 min) strictly and 3.7k (8 s)
       with it, to the same singular values (6e-14, 5e-13 relative). Not the default: on the
       112-flow sweep four flows that converge strictly ran out of steps with it, and the sweep
-      as a whole was not faster (docs/theory.md §5).
+      as a whole was not faster; re-measured on 2026-12-05, three of them still ran out (86–96%
+      of their steps rejected), one having left the strict flow's path (docs/theory.md §5).
     - `t_max`: physical-time horizon (`inf` by default: stop on convergence).
     - `max_steps`: step budget per clock phase; the solve always terminates.
     - `clock`: `auto`, `physical` or `loss` (docs/theory.md §5). Sampling at `save_ts` and
