@@ -234,8 +234,10 @@ def _setup(problem, model, options: FlowOptions, layer_mask, observed=None) -> S
 PREVIOUS_START_MIN_OBSERVED = 1024
 
 
-def _starts_from_previous_step(structured) -> bool:
-    return structured is not None and structured.size >= PREVIOUS_START_MIN_OBSERVED
+def _gauss_newton_entries(options: FlowOptions, observed: int | None) -> int | None:
+    """The observed entries the stiff tail's Gauss–Newton preconditioner holds, or None when
+    the tail has none (another preconditioner, or no static bound on the observed entries)."""
+    return observed if options.preconditioner == "gauss-newton" else None
 
 
 # Observed entries from which `rosenbrock="auto"` takes RODAS5P (else RODAS4P2): there a step
@@ -253,27 +255,25 @@ def tail_tableau(options: FlowOptions, observed: int | None) -> str:
     observed entries the Gauss–Newton preconditioner holds."""
     if options.rosenbrock != "auto":
         return options.rosenbrock
-    large = (
-        options.preconditioner == "gauss-newton"
-        and observed is not None
-        and observed >= RODAS5P_MIN_OBSERVED
-    )
-    return "rodas5p" if large else "rodas4p2"
+    entries = _gauss_newton_entries(options, observed)
+    return "rodas5p" if entries is not None and entries >= RODAS5P_MIN_OBSERVED else "rodas4p2"
 
 
 def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
     """The solver of each phase. In physical time the Jacobian is −∇²loss (symmetric) and the
     energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖²."""
+    entries = _gauss_newton_entries(options, observed)
     structured = None
-    if options.preconditioner == "gauss-newton" and observed is not None:
-        structured = GaussNewtonPreconditioner(observed, options.gauss_newton)
+    if entries is not None:
+        structured = GaussNewtonPreconditioner(entries, options.gauss_newton)
+    from_previous = entries is not None and entries >= PREVIOUS_START_MIN_OBSERVED
     stiff = Rodas4(
         preconditioner=structured,
         preconditioner_rank=0 if options.preconditioner == "none" else 64,
         batch_axis=batch_axis,
         linear_solver=options.linear_solver,
         tableau=tail_tableau(options, observed),
-        stage_start="previous" if _starts_from_previous_step(structured) else "stages",
+        stage_start="previous" if from_previous else "stages",
         step_tolerance=setup.tail_tolerance,
         symmetric=True,
         passive=("energy",),
