@@ -96,9 +96,11 @@ def radau_prototype(problem, model, options, newton_tol, max_newton=10):
     return flat, unravel, attempt
 
 
-def integrate(attempt, y, t, t_end, h):
+def integrate(attempt, y, t, t_end, h, max_attempts=20_000):
     accepted = rejected = newton_failures = newton = 0
     while t < t_end:
+        if accepted + rejected >= max_attempts:
+            raise SystemExit(f"the prototype stalled at t = {t:.3g} after {max_attempts} attempts")
         h = min(h, t_end - t)
         y1, error, ok, iterations = attempt(y, h)
         error, ok = float(error), bool(ok)
