@@ -27,8 +27,8 @@ from jax.flatten_util import ravel_pytree
 jax.config.update("jax_enable_x64", True)
 
 import gflow  # noqa: E402
+from gflow.engine._dynamics import FieldArgs, physical_field, physical_jacobian  # noqa: E402
 from gflow.engine._solve import _setup  # noqa: E402
-from gflow.model import loss_hessian  # noqa: E402
 from gflow.sweeps._build import build  # noqa: E402
 
 _S6 = np.sqrt(6.0)
@@ -43,8 +43,8 @@ ORDER = 5
 
 
 def sweep_point(depth, alpha, seed):
-    point = dict(depth=depth, alpha=alpha, seed=seed, dim=8, density=0.5, rank=2, noise=0.0)
-    return build(point | {"m": 1.0}, "bernoulli", "gaussian")
+    point = dict(depth=depth, alpha=alpha, seed=seed, dim=8, density=0.5, rank=2, noise=0.0, m=1.0)
+    return build(point, "bernoulli", "gaussian")
 
 
 def radau_prototype(problem, model, options, newton_tol, max_newton=10):
@@ -54,10 +54,13 @@ def radau_prototype(problem, model, options, newton_tol, max_newton=10):
     size = flat.size
     rtol, atol = _setup(problem, model, options, None).tail_tolerance
     a = jnp.asarray(RADAU_IIA)
+    args = FieldArgs(problem, 0.0, False, None)  # the stiff tail's own field and Jacobian
 
     def rates(x):
-        grad = jax.grad(lambda m: problem.loss(m.product()))(unravel(x))
-        return -ravel_pytree(grad)[0]
+        return ravel_pytree(physical_field(0.0, {"model": unravel(x)}, args)["model"])[0]
+
+    def jacobian(x):
+        return physical_jacobian(0.0, {"model": unravel(x)}, args)
 
     def tolerance(x):
         layers = unravel(x).layers
@@ -71,7 +74,7 @@ def radau_prototype(problem, model, options, newton_tol, max_newton=10):
             z, it, _ = state
             stages = y0[None] + z
             residual = z - h * a @ jax.vmap(rates)(stages)
-            jacobians = jax.vmap(lambda x: -loss_hessian(unravel(x), problem))(stages)
+            jacobians = jax.vmap(jacobian)(stages)
             blocks = [[a[i, j] * jacobians[j] for j in range(3)] for i in range(3)]
             matrix = jnp.eye(3 * size) - h * jnp.block(blocks)
             dz = jnp.linalg.solve(matrix, -residual.reshape(-1)).reshape(3, size)
