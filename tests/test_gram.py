@@ -57,17 +57,53 @@ def test_closed_form_gram_is_j_jt(case):
 @pytest.mark.parametrize("shift", [1e-4, 1.0, 1e3])
 def test_preconditioner_is_the_woodbury_inverse(case, shift, factorization):
     """apply(r) = (s·I + JᵀJ)⁻¹ r, J with frozen columns zeroed: `eigh` at every shift from
-    one build, `inverse` at the shift it was built for."""
+    one build, `inverse` and `cholesky` at the shift they were built for."""
     problem, model, layer_mask, size = case
     state = _gram.build(model, problem.mask, layer_mask, size, 0.5, "eigh")
-    if factorization == "inverse":
-        state = _gram.build(model, problem.mask, layer_mask, size, shift, "inverse")
+    if factorization != "eigh":
+        state = _gram.build(model, problem.mask, layer_mask, size, shift, factorization)
     jac = _dense_jacobian(model, problem, layer_mask)
     dense = shift * np.eye(jac.shape[1]) + jac.T @ jac
     flat, unravel = ravel_pytree(model)
     r = np.random.default_rng(0).normal(size=flat.shape)
     got = ravel_pytree(_gram.apply(state, shift, unravel(jnp.asarray(r))))[0]
     np.testing.assert_allclose(np.asarray(got), np.linalg.solve(dense, r), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("size, block", [(16, 4), (23, 5), (7, 3), (5, 8), (9, 9)])
+def test_block_cholesky_solve_is_the_inverse(size, block, monkeypatch):
+    """The `cholesky` factorization's block triangular solves, over even, uneven and single
+    blocks, on an SPD matrix of condition 1e8: backward stable (the residual at rounding
+    level, whatever the condition), hence the dense solve's answer to ~cond·ε."""
+    monkeypatch.setattr(_gram, "CHOLESKY_BLOCK", block)
+    rng = np.random.default_rng(size)
+    q, _ = np.linalg.qr(rng.normal(size=(size, size)))
+    matrix = (q * np.logspace(-6, 2, size)) @ q.T
+    inverses, panels = _gram._block_cholesky(jnp.asarray(matrix))
+    assert inverses.shape[0] == -(-size // block)
+    r = rng.normal(size=size)
+    got = np.asarray(_gram._block_cholesky_solve(inverses, panels, jnp.asarray(r)))
+    residual = np.linalg.norm(matrix @ got - r)
+    assert residual <= 1e-13 * np.linalg.norm(matrix, 2) * np.linalg.norm(got)
+    want = np.linalg.solve(matrix, r)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-7 * np.abs(want).max())
+
+
+def test_cholesky_preconditioner_over_several_blocks_equals_the_inverse(case, monkeypatch):
+    """The Woodbury preconditioner through a Gram factorised in blocks of 4 rows (the last one
+    shorter, the observed entries' zero-weight padding inside) is the explicit inverse's."""
+    problem, model, layer_mask, size = case
+    monkeypatch.setattr(_gram, "CHOLESKY_BLOCK", 4)
+    flat, unravel = ravel_pytree(model)
+    r = unravel(jnp.asarray(np.random.default_rng(1).normal(size=flat.shape)))
+    for shift in (1e-4, 1.0):
+        states = [
+            _gram.build(model, problem.mask, layer_mask, size, shift, f)
+            for f in ("cholesky", "inverse")
+        ]
+        assert states[0].matrix.shape[0] == -(-size // 4) > 2
+        got, want = (np.asarray(ravel_pytree(_gram.apply(s, shift, r))[0]) for s in states)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
 def test_an_inverse_preconditioner_at_another_shift_is_off_by_at_most_the_shift_ratio(case):
@@ -204,3 +240,28 @@ def test_cg_started_from_the_previous_step_lands_on_the_same_endpoint(cg_case, m
     assert starts() == ["previous", "previous"]
     monkeypatch.undo()
     assert starts() == ["stages", "previous"]
+
+
+def test_cholesky_tail_over_several_blocks_lands_on_the_same_endpoint(cg_case, monkeypatch):
+    """The tail preconditioned through the blocked Cholesky factor (forced here, in blocks of
+    8 observed entries) ends on the default's endpoint; `gauss_newton="auto"` takes that
+    factor from CHOLESKY_MIN_OBSERVED entries, the explicit inverse below."""
+    from gflow.engine import _solve
+    from gflow.engine._flow import observed_bound
+
+    problem, init, flow = cg_case
+    observed = observed_bound(problem)
+    monkeypatch.setattr(_gram, "CHOLESKY_BLOCK", 8)
+    options = gflow.FlowOptions(gauss_newton="cholesky")
+    result = jax.jit(lambda p, m: _solve.solve(p, m, options, observed=observed))(problem, init)
+    assert result.status_label == "converged"
+    assert result.work()["stiff tail"]["factorizations"] >= 1
+    np.testing.assert_allclose(
+        np.asarray(result.model.product()), np.asarray(flow.model.product()), atol=1e-9
+    )
+    setup = _solve._setup(problem, init, gflow.FlowOptions(), None)
+    chosen = [
+        _solve._solvers(gflow.FlowOptions(), setup, None, n)["stiff"].preconditioner.factorization
+        for n in (observed, _solve.CHOLESKY_MIN_OBSERVED - 1, _solve.CHOLESKY_MIN_OBSERVED)
+    ]
+    assert chosen == ["inverse", "inverse", "cholesky"]

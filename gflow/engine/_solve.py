@@ -259,13 +259,32 @@ def tail_tableau(options: FlowOptions, observed: int | None) -> str:
     return "rodas5p" if entries is not None and entries >= RODAS5P_MIN_OBSERVED else "rodas4p2"
 
 
+# Observed entries from which `gauss_newton="auto"` keeps the Gram as a blocked Cholesky
+# factor (else its explicit inverse): the factor is ~3.5× cheaper to form, and its block
+# triangular solves read as much as the inverse's product but run 1.0–1.5× slower. Whole
+# `scale` solves side by side (benchmarks/README, 2026-12-05): |Ω| = 12,000 (d = 200) 331.6
+# against 472.5 s, 6,750 (d = 150) 118.8 against 152.9 s, 2,945 (d = 100) the same time
+# (35.8 / 35.6 against 37.0 / 34.2 s), where an application takes 1.9 against 1.3 ms.
+CHOLESKY_MIN_OBSERVED = 4096
+
+
+def gauss_newton_factorization(options: FlowOptions, entries: int) -> str:
+    """How the tail's Gauss–Newton Gram of `entries` observed entries is factorised:
+    `options.gauss_newton`, with `auto` resolved by its size."""
+    if options.gauss_newton != "auto":
+        return options.gauss_newton
+    return "cholesky" if entries >= CHOLESKY_MIN_OBSERVED else "inverse"
+
+
 def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed) -> dict:
     """The solver of each phase. In physical time the Jacobian is −∇²loss (symmetric) and the
     energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖²."""
     entries = _gauss_newton_entries(options, observed)
     structured = None
     if entries is not None:
-        structured = GaussNewtonPreconditioner(entries, options.gauss_newton)
+        structured = GaussNewtonPreconditioner(
+            entries, gauss_newton_factorization(options, entries)
+        )
     from_previous = entries is not None and entries >= PREVIOUS_START_MIN_OBSERVED
     stiff = Rodas4(
         preconditioner=structured,
