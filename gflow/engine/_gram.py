@@ -95,11 +95,12 @@ def gram(layers, rows, cols, weight, layer_mask) -> jax.Array:
     return total * weight[:, None] * weight[None, :]
 
 
-def _blocks(size: int) -> list[tuple[int, int]]:
-    """(start, end) of the diagonal blocks: at most CHOLESKY_BLOCK rows each, as even as can be."""
-    count = -(-size // CHOLESKY_BLOCK)
-    rows = -(-size // count)
-    edges = [min(i * rows, size) for i in range(count + 1)]
+def _blocks(size: int, rows: int | None = None) -> list[tuple[int, int]]:
+    """(start, end) of the diagonal blocks of `rows` rows (the last one shorter); by default
+    at most CHOLESKY_BLOCK rows each, as even as can be."""
+    if rows is None:
+        rows = -(-size // -(-size // CHOLESKY_BLOCK))
+    edges = [min(i * rows, size) for i in range(-(-size // rows) + 1)]
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
@@ -138,7 +139,7 @@ def _block_cholesky_solve(inverses, panels, r):
     count, rows = inverses.shape[:2]
     size = r.shape[0]
     split = lambda v: jnp.pad(v, (0, count * rows - size)).reshape(count, rows)
-    ends = [min((i + 1) * rows, size) - i * rows for i in range(count)]
+    ends = [end - start for start, end in _blocks(size, rows)]
     c = jnp.einsum("kij,kj->ki", inverses, split(r))
     y = c[0, : ends[0]]
     for i in range(1, count):
@@ -165,16 +166,16 @@ def build(
     if factorization == "eigh":
         values, matrix = jnp.linalg.eigh(g)
         values = jnp.maximum(values, 0.0)
-    elif factorization == "cholesky":
-        matrix, panels = _block_cholesky(g + shift * jnp.eye(size, dtype=g.dtype))
-        values = jnp.full((1,), shift, g.dtype)
     else:
-        matrix = jnp.linalg.inv(g + shift * jnp.eye(size, dtype=g.dtype))
-        matrix = 0.5 * (matrix + matrix.T)  # symmetric to rounding: CG needs an SPD map
+        shifted = g + shift * jnp.eye(size, dtype=g.dtype)
         values = jnp.full((1,), shift, g.dtype)
-    ok = jnp.all(jnp.isfinite(values)) & jnp.all(jnp.isfinite(matrix))
-    for panel in jax.tree_util.tree_leaves(panels):
-        ok = ok & jnp.all(jnp.isfinite(panel))
+        if factorization == "cholesky":
+            matrix, panels = _block_cholesky(shifted)
+        else:
+            matrix = jnp.linalg.inv(shifted)
+            matrix = 0.5 * (matrix + matrix.T)  # symmetric to rounding: CG needs an SPD map
+    leaves = jax.tree_util.tree_leaves((values, matrix, panels))
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return GaussNewtonState(
         layers=tuple(model.layers),
         rows=rows,
@@ -211,7 +212,8 @@ def empty(model: Factorization, size: int, factorization: str = "inverse") -> Ga
 
 
 def apply(state: GaussNewtonState, shift, r: Factorization) -> Factorization:
-    """(s·I + J₀ᵀJ₀)⁻¹ r for a layer-shaped r (approximately for `inverse` at s ≠ s₀)."""
+    """(s·I + J₀ᵀJ₀)⁻¹ r for a layer-shaped r (approximately for `inverse` and
+    `cholesky` at s ≠ s₀)."""
     mask = state.layer_mask
     observe = lambda layers: _observed(layers, state.rows, state.cols, state.weight)
     tangent = tuple(x * mask[i] for i, x in enumerate(r.layers))
