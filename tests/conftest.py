@@ -25,3 +25,17 @@ def _release_compiled_programs():
     _compile._PROGRAMS.clear()
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def tail_stages():
+    """problem ↦ the stages of one stiff-tail step at the default options (RODAS4P2 or RODAS5P
+    by its observed entries): the unit in which the tail's field evaluations are counted."""
+    from gflow.engine._flow import observed_bound
+    from gflow.engine._rosenbrock import TABLEAUS
+    from gflow.engine._solve import tail_tableau
+
+    def stages(problem):
+        return TABLEAUS[tail_tableau(gflow.FlowOptions(), observed_bound(problem))].stages
+
+    return stages

@@ -171,7 +171,7 @@ def test_gauss_newton_tail_lands_on_the_dense_endpoint(cg_case):
     )
 
 
-def test_work_table_adds_up(cg_case):
+def test_work_table_adds_up(cg_case, tail_stages):
     _, _, flow = cg_case
     table = np.asarray(flow.phase_work)
     assert table.shape == (3, 5)
@@ -181,14 +181,10 @@ def test_work_table_adds_up(cg_case):
     assert table[:, 3].sum() == int(flow.num_linear_iters)
     assert table[:, 4].sum() == int(flow.num_factorizations)
     # The field once per stage, and the stopping rule at the start and at each accepted point.
-    from gflow.engine._flow import observed_bound
-    from gflow.engine._rosenbrock import TABLEAUS
-    from gflow.engine._solve import tail_tableau
-
     problem = cg_case[0]
     tail = flow.work()["stiff tail"]
     accepted = tail["steps"] - tail["rejected_steps"]
-    stages = TABLEAUS[tail_tableau(gflow.FlowOptions(), observed_bound(problem))].stages
+    stages = tail_stages(problem)
     assert tail["rhs_evals"] == stages * tail["steps"] + accepted + 1
 
 

@@ -120,7 +120,7 @@ def stiff_case():
     return problem, init, gflow.flow(problem, init)
 
 
-def test_auto_strategy_finishes_a_stiff_tail_that_stalls_tsit5(stiff_case):
+def test_auto_strategy_finishes_a_stiff_tail_that_stalls_tsit5(stiff_case, tail_stages):
     problem, init, auto = stiff_case
     explicit = gflow.flow(problem, init, solver="tsit5", max_steps=20_000)
     assert explicit.status_label == "max_steps"
@@ -129,11 +129,7 @@ def test_auto_strategy_finishes_a_stiff_tail_that_stalls_tsit5(stiff_case):
     tail = auto.work()["stiff tail"]
     assert int(auto.num_rhs_evals) == sum(p["rhs_evals"] for p in auto.work().values())
     # every stage of every step, and the stopping rule at the start and at each accepted point
-    from gflow.engine._flow import observed_bound
-    from gflow.engine._rosenbrock import TABLEAUS
-    from gflow.engine._solve import tail_tableau
-
-    stages = TABLEAUS[tail_tableau(gflow.FlowOptions(), observed_bound(problem))].stages
+    stages = tail_stages(problem)
     accepted = tail["steps"] - tail["rejected_steps"]
     assert tail["rhs_evals"] == stages * tail["steps"] + accepted + 1
     assert float(auto.loss) <= 1e-20 * float(auto.loss_init)
