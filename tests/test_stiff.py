@@ -178,6 +178,31 @@ def test_batch_with_one_stiff_member_equals_single_flows(stiff_case):
         )
 
 
+def test_a_flow_compiles_its_stiff_tail_only_once_it_reaches_it(stiff_case):
+    """`flow` runs the stiff tail as a second program, compiled only when a flow reaches it;
+    the flow is the one the single program with the tail inside integrates (a batch of one,
+    tails in the batch)."""
+    problem, init, _ = stiff_case
+    options = gflow.FlowOptions(rtol=1e-9)  # programs no other test compiles
+    heads, tails = gflow.compile_count("flow"), gflow.compile_count("flow-tail")
+    easy = gflow.flow(problem, gflow.gaussian([8] * 4, 0.5, key=3), options)
+    assert easy.status_label == "converged" and easy.end_phase != gflow.Phase.STIFF_TAIL
+    assert gflow.compile_count("flow") - heads == 1
+    assert gflow.compile_count("flow-tail") == tails
+    stiff = gflow.flow(problem, init, options)
+    assert stiff.status_label == "converged" and stiff.end_phase == gflow.Phase.STIFF_TAIL
+    assert gflow.compile_count("flow") - heads == 1  # the same head program
+    assert gflow.compile_count("flow-tail") - tails == 1
+    assert stiff.compile_time_s > 0 and stiff.compile_cache_hit is not None
+    inside = gflow.flow_batch(problem, gflow.stack([init]), options).member(0)
+    assert inside.end_phase == gflow.Phase.STIFF_TAIL
+    assert stiff.work()["explicit"] == inside.work()["explicit"]
+    assert abs(int(stiff.num_steps) - int(inside.num_steps)) <= 0.01 * int(inside.num_steps)
+    np.testing.assert_allclose(
+        np.asarray(stiff.model.product()), np.asarray(inside.model.product()), atol=1e-9
+    )
+
+
 def test_a_deferred_stiff_tail_finished_alone_is_the_same_flow(stiff_case):
     """A sweep's batch stops its stiff members where the tail begins (status pending) and
     finishes each alone, unpadded: the same flow as `flow`, and the batch's easy member is
