@@ -172,7 +172,7 @@ def _sgd_at_matched_accuracy(problem, init, flow, budget_s, targets=(1e-4, 1e-6)
         else:
             # SGD follows the flow (iterate k at t = k·lr) with lr < 2/λ_max, so it needs at
             # least t_ε·λ_max/2 steps, t_ε the flow time before which the flow itself is
-            # still more than ε from its endpoint (in the top singular values alone).
+            # still more than ε from its endpoint (in the same error as SGD's).
             t_eps = _flow_time_to_within(problem, init, eps, samples)
             least = max(spent, t_eps * lam / 2 * t_step)
             row |= {
@@ -186,17 +186,21 @@ def _sgd_at_matched_accuracy(problem, init, flow, budget_s, targets=(1e-4, 1e-6)
 
 
 def _flow_time_to_within(problem, init, eps, samples) -> float:
-    """The last sampled flow time at which the top singular values are still more than eps
-    (relative) from the endpoint of the same sampled flow."""
-    if "run" not in samples:
-        samples["run"] = gflow.flow(problem, init, save=200)
-    run = samples["run"]
-    s_end = gflow.singular_values(run.model)[:TOP]
-    t = np.asarray(run.trajectory.t)
-    valid = np.isfinite(t)
-    sv = np.asarray(run.trajectory.singular_values)[valid][:, :TOP]
-    outside = np.nonzero(np.max(np.abs(sv / s_end - 1), axis=1) > eps)[0]
-    return float(t[valid][outside[-1]]) if len(outside) else 0.0
+    """The last sampled flow time at which the flow is still more than eps from the endpoint
+    of the same sampled flow, in `_endpoint_error` (top singular values and unobserved error,
+    relative): SGD's own measure."""
+    if "errors" not in samples:
+        run = gflow.flow(problem, init, save=200, save_layers=True)
+        t = np.asarray(run.trajectory.t)
+        valid = np.flatnonzero(np.isfinite(t))
+        error = _endpoint_error(problem, run.model)
+        layers = run.trajectory.layers.layers
+        samples["t"] = t[valid]
+        samples["errors"] = np.array(
+            [error(gflow.Factorization([np.asarray(w[i]) for w in layers])) for i in valid]
+        )
+    outside = np.flatnonzero(samples["errors"] > eps)
+    return float(samples["t"][outside[-1]]) if len(outside) else 0.0
 
 
 @contextlib.contextmanager
