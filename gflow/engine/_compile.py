@@ -76,10 +76,10 @@ _COUNTS = {"flow": 0, "flow-tail": 0, "descend": 0, "descend-batch": 0}
 
 def compile_count(kind: str = "flow") -> int:
     """How many programs of `kind` (`"flow"`: flows and batches of flows, `"flow-tail"`: stiff
-    tails run as programs of their own, by a `flow` that reaches its tail and by a sweep's
-    tails apart, `"descend"`: discrete optimizers) this process has compiled or loaded from
-    the persistent cache. A repeated call with the same options and shapes reuses its program
-    and does not count."""
+    tails run as programs of their own, by a `flow` or `flow_batch` that reaches its tail
+    and by a sweep's tails apart, `"descend"`: discrete optimizers) this process has
+    compiled or loaded from the persistent cache. A repeated call with the same options and
+    shapes reuses its program and does not count."""
     return _COUNTS[kind]
 
 

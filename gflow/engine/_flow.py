@@ -134,10 +134,11 @@ class PendingTails:
         return stack(members)
 
 
-def _tail_program(problem, init, head: FlowResult, options: FlowOptions):
-    """The compiled stiff tail of one unbatched, unpadded flow from `init` whose head (a
-    `defer_tail=True` solve's result) is `head`: (program, the head as the program takes it,
-    its `CompileTime`)."""
+def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes=None):
+    """The compiled stiff tail of an unpadded flow from `init` whose head (a `defer_tail=True`
+    solve's result) is `head`, or with `in_axes` (the problem's and the model's, as the head's
+    program was batched) of a batch finished together: (program, the head as the program
+    takes it, its `CompileTime`)."""
     leaves = jax.tree_util.tree_leaves(head)
     start = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(FlowResult.skeleton(init)), leaves
@@ -147,17 +148,34 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions):
     def make_fn():
         from ._solve import finish_tail
 
-        return lambda p, m, h: finish_tail(p, m, h, options, observed=observed)
+        if in_axes is None:
+            return lambda p, m, h: finish_tail(p, m, h, options, observed=observed)
+        fn = lambda p, m, h: finish_tail(p, m, h, options, observed=observed, batch_axis="flows")
+        return jax.vmap(fn, in_axes=(*in_axes, 0), axis_name="flows")
 
     compiled, compile_time = program(
         "flow-tail",
         options,
         (problem, init, start),
         make_fn,
-        extra=(observed,),
+        extra=(observed, in_axes),
         out_like=FlowResult.skeleton(init),
     )
     return compiled, start, compile_time
+
+
+def _run_with_lazy_tail(compiled, problem, model, options, in_axes=None):
+    """Run a `defer_tail=True` program, then the stiff tail of whatever it left pending (a
+    program compiled only then): (result, wall seconds, tail `CompileTime` or None)."""
+    start = time.perf_counter()
+    result = jax.block_until_ready(compiled(problem, model))
+    wall = time.perf_counter() - start
+    if not np.any(np.asarray(result.status) == Status.PENDING):
+        return result, wall, None
+    tail, head, tail_compile = _tail_program(problem, model, result, options, in_axes)
+    start = time.perf_counter()
+    result = jax.block_until_ready(tail(problem, model, head))
+    return result, wall + time.perf_counter() - start, tail_compile
 
 
 def observed_bound(problem: Problem, multiple: int = 64) -> int:
@@ -216,33 +234,35 @@ def flow(
         raise ValueError(
             f"problem dtype {problem.target.dtype} differs from model dtype {model.layers[0].dtype}"
         )
-    # A flow that converges before its stiff tail never compiles one (it is ~45% of a
-    # program's compile time): the tail is a second program, compiled only when a flow
-    # reaches it, and it continues the same flow (`finish_tail`). Samples along the flow need
-    # the one program that holds them all.
-    lazy_tail = options.stiff_tail and not options.save and options.save_ts is None
-    compiled, compile_time = _compiled_solver(problem, model, options, defer_tail=lazy_tail)
-    compile_s, cache_hit = compile_time.seconds, compile_time.cache_hit
+    compiled, compile_time = _compiled_solver(
+        problem, model, options, defer_tail=lazy_tail(options)
+    )
     with flow_blas_threads(problem, model, options):
-        start = time.perf_counter()
-        result = jax.block_until_ready(compiled(problem, model))
-        wall = time.perf_counter() - start
-        if lazy_tail and int(result.status) == Status.PENDING:
-            tail, head, tail_compile = _tail_program(problem, model, result, options)
-            compile_s += tail_compile.seconds
-            cache_hit = _either_compiled(cache_hit, tail_compile.cache_hit)
+        if lazy_tail(options):
+            result, wall, tail_compile = _run_with_lazy_tail(compiled, problem, model, options)
+        else:
             start = time.perf_counter()
-            result = jax.block_until_ready(tail(problem, model, head))
-            wall += time.perf_counter() - start
-    return result.timed(wall, compile_s, cache_hit)
+            result = jax.block_until_ready(compiled(problem, model))
+            wall, tail_compile = time.perf_counter() - start, None
+    return result.timed(wall, *_together(compile_time, tail_compile))
 
 
-def _either_compiled(a: bool | None, b: bool | None) -> bool | None:
-    """The cache hit of two programs together: False if either was compiled, else True if
-    either came from the persistent cache, else None (both were in memory)."""
-    if a is False or b is False:
-        return False
-    return True if (a or b) else None
+def lazy_tail(options: FlowOptions) -> bool:
+    """Whether `flow` and `flow_batch` run the stiff tail as a second program, compiled only
+    when a flow reaches it (it is ~45% of a flow program's compile time). Samples along the
+    flow need the one program that holds them all."""
+    return options.stiff_tail and not options.save and options.save_ts is None
+
+
+def _together(head, tail) -> tuple[float, bool | None]:
+    """(seconds, cache hit) of two programs' `CompileTime`s (`tail` None: not needed). The
+    cache hit is False if either was compiled, else True if either came from the persistent
+    cache, else None (both were in memory)."""
+    if tail is None:
+        return head.seconds, head.cache_hit
+    hits = (head.cache_hit, tail.cache_hit)
+    hit = False if False in hits else (True if True in hits else None)
+    return head.seconds + tail.seconds, hit
 
 
 def pad_depth(model: Factorization, depth: int) -> Factorization:
@@ -277,11 +297,12 @@ def flow_batch(
     member never stops the others. Under `vmap` a batch costs about (slowest member's steps) ×
     (batch size): group members of similar flow length.
 
-    `tails`: `batch` (default) runs the stiff tails of `solver="auto"` inside the batch;
-    `apart` finishes each member that reaches its tail alone after the batch (as sweeps do),
-    so the batch costs the sum of its members' tails, not its stiffest tail times its size.
-    Same endpoints either way. `wall_time_s` then covers the tails, and `compile_time_s` the
-    batch's program only.
+    `tails`: `batch` (default) runs the stiff tails of `solver="auto"` inside the batch (as
+    in `flow`, a second program compiled only when a member reaches its tail; both programs'
+    times are counted); `apart` finishes each member that reaches its tail alone after the
+    batch (as sweeps do), so the batch costs the sum of its members' tails, not its stiffest
+    tail times its size. Same endpoints either way. `wall_time_s` then covers the tails, and
+    `compile_time_s` the batch's program only.
     """
     if tails not in ("batch", "apart"):
         raise ValueError(f"unknown tails {tails!r}; choose from ('batch', 'apart')")
@@ -299,10 +320,21 @@ def flow_batch(
         )
     in_axes = (0 if batched_problem else None, 0)
     apart = tails == "apart" and options.stiff_tail
-    compiled, compile_time = _compiled_solver(problem, model, options, in_axes, defer_tail=apart)
+    lazy = not apart and lazy_tail(options)
+    compiled, compile_time = _compiled_solver(
+        problem, model, options, in_axes, defer_tail=apart or lazy
+    )
+    tail_compile = None
     start = time.perf_counter()
     with flow_blas_threads(problem, model, options):
-        result = jax.block_until_ready(compiled(problem, model))
+        if lazy:
+            result, wall, tail_compile = _run_with_lazy_tail(
+                compiled, problem, model, options, in_axes
+            )
+        else:
+            result = jax.block_until_ready(compiled(problem, model))
     if apart:
         result = finish_tails(problem, model, result, options)
-    return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
+    if not lazy:
+        wall = time.perf_counter() - start
+    return result.timed(wall, *_together(compile_time, tail_compile))

@@ -161,8 +161,8 @@ class FlowResult(eqx.Module):
     - `trajectory`: samples along the way, when requested.
     - `wall_time_s`, `compile_time_s`: seconds, measured on the host (nan inside `vmap`);
       `compile_time_s` is 0 when the program was already compiled in this process. A `flow`
-      that reaches its stiff tail runs two programs (the tail's is compiled only then):
-      both times cover both.
+      (or `flow_batch`) that reaches its stiff tail runs two programs (the tail's is
+      compiled only then): both times cover both.
     - `compile_cache_hit`: True when XLA's compilation was loaded from the persistent cache
       (`GFLOW_CACHE_DIR`), False when it was compiled (either program), None when nothing
       was compiled.

@@ -145,20 +145,22 @@ def finish_tail(
     head: FlowResult,
     options: FlowOptions,
     observed: int | None = None,
+    batch_axis=None,
 ) -> FlowResult:
     """The stiff tail of a solve run with `defer_tail=True` (`head`, from the initial `model`),
     as that solve would have run it: the whole flow's result. A head whose status is not
     `PENDING` is returned as it is (the branch costs it nothing). `model` and `head` are
     unpadded: a depth-padded solve's tail runs at its true depth (`finish_tails` strips the
-    frozen identity layers first)."""
+    frozen identity layers first). `batch_axis`: as in `solve`, for the tails of a batch
+    finished together under `jax.vmap`."""
     setup = _setup(problem, model, options, None, observed)
-    solver = _solvers(options, setup, None, observed)["stiff"]
+    solver = _solvers(options, setup, batch_axis, observed)["stiff"]
     y = {"model": head.model}
     if options.certificates:
         y["energy"] = head.energy
     end = _Ending(y, head.t_end, head.status, head.end_phase, head.solver_code)
     handover = head.status == Status.PENDING
-    tail = _stiff_tail(setup, solver, end, handover, None, options.max_steps)
+    tail = _stiff_tail(setup, solver, end, handover, batch_axis, options.max_steps)
     end = end.then(handover, tail, Phase.STIFF_TAIL)
     row = jnp.where(handover, _work_row(tail.stats), 0)
     phase_work = head.phase_work.at[Phase.STIFF_TAIL].add(row)
