@@ -164,13 +164,14 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
     return compiled, start, compile_time
 
 
-def _run_with_lazy_tail(compiled, problem, model, options, in_axes=None):
-    """Run a `defer_tail=True` program, then the stiff tail of whatever it left pending (a
-    program compiled only then): (result, wall seconds, tail `CompileTime` or None)."""
+def _run(compiled, problem, model, options, in_axes=None, lazy=False):
+    """Run a flow program; with `lazy` (a `defer_tail=True` program), then the stiff tail of
+    whatever it left pending, a program compiled only then: (result, wall seconds, the tail
+    program's `CompileTime` or None)."""
     start = time.perf_counter()
     result = jax.block_until_ready(compiled(problem, model))
     wall = time.perf_counter() - start
-    if not np.any(np.asarray(result.status) == Status.PENDING):
+    if not lazy or not np.any(np.asarray(result.status) == Status.PENDING):
         return result, wall, None
     tail, head, tail_compile = _tail_program(problem, model, result, options, in_axes)
     start = time.perf_counter()
@@ -234,16 +235,10 @@ def flow(
         raise ValueError(
             f"problem dtype {problem.target.dtype} differs from model dtype {model.layers[0].dtype}"
         )
-    compiled, compile_time = _compiled_solver(
-        problem, model, options, defer_tail=lazy_tail(options)
-    )
+    lazy = lazy_tail(options)
+    compiled, compile_time = _compiled_solver(problem, model, options, defer_tail=lazy)
     with flow_blas_threads(problem, model, options):
-        if lazy_tail(options):
-            result, wall, tail_compile = _run_with_lazy_tail(compiled, problem, model, options)
-        else:
-            start = time.perf_counter()
-            result = jax.block_until_ready(compiled(problem, model))
-            wall, tail_compile = time.perf_counter() - start, None
+        result, wall, tail_compile = _run(compiled, problem, model, options, lazy=lazy)
     return result.timed(wall, *_together(compile_time, tail_compile))
 
 
@@ -324,17 +319,10 @@ def flow_batch(
     compiled, compile_time = _compiled_solver(
         problem, model, options, in_axes, defer_tail=apart or lazy
     )
-    tail_compile = None
-    start = time.perf_counter()
     with flow_blas_threads(problem, model, options):
-        if lazy:
-            result, wall, tail_compile = _run_with_lazy_tail(
-                compiled, problem, model, options, in_axes
-            )
-        else:
-            result = jax.block_until_ready(compiled(problem, model))
+        result, wall, tail_compile = _run(compiled, problem, model, options, in_axes, lazy)
     if apart:
+        start = time.perf_counter()
         result = finish_tails(problem, model, result, options)
-    if not lazy:
-        wall = time.perf_counter() - start
+        wall += time.perf_counter() - start
     return result.timed(wall, *_together(compile_time, tail_compile))
