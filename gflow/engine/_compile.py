@@ -67,6 +67,13 @@ class CompileTime:
     seconds: float
     cache_hit: bool | None
 
+    def __add__(self, other: CompileTime) -> CompileTime:
+        """Two programs together (a flow and its stiff tail): their seconds added; compiled
+        if either was, else from the cache if either was, else already in memory."""
+        hits = (self.cache_hit, other.cache_hit)
+        hit = False if False in hits else (True if True in hits else None)
+        return CompileTime(self.seconds + other.seconds, hit)
+
 
 ALREADY_COMPILED = CompileTime(0.0, None)
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..model import Factorization
 from ..problem import Problem
-from ._compile import program
+from ._compile import ALREADY_COMPILED, program
 from ._options import FlowOptions
 from ._result import FlowResult, Status
 from ._threads import blas_threads_for, factorised_rows, run_concurrently, threads_for
@@ -167,12 +167,12 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
 def _run(compiled, problem, model, options, in_axes=None, lazy=False):
     """Run a flow program; with `lazy` (a `defer_tail=True` program), then the stiff tail of
     whatever it left pending, a program compiled only then: (result, wall seconds, the tail
-    program's `CompileTime` or None)."""
+    program's `CompileTime`, `ALREADY_COMPILED` where none was needed)."""
     start = time.perf_counter()
     result = jax.block_until_ready(compiled(problem, model))
     wall = time.perf_counter() - start
     if not lazy or not np.any(np.asarray(result.status) == Status.PENDING):
-        return result, wall, None
+        return result, wall, ALREADY_COMPILED
     tail, head, tail_compile = _tail_program(problem, model, result, options, in_axes)
     start = time.perf_counter()
     result = jax.block_until_ready(tail(problem, model, head))
@@ -239,7 +239,8 @@ def flow(
     compiled, compile_time = _compiled_solver(problem, model, options, defer_tail=lazy)
     with flow_blas_threads(problem, model, options):
         result, wall, tail_compile = _run(compiled, problem, model, options, lazy=lazy)
-    return result.timed(wall, *_together(compile_time, tail_compile))
+    both = compile_time + tail_compile
+    return result.timed(wall, both.seconds, both.cache_hit)
 
 
 def lazy_tail(options: FlowOptions) -> bool:
@@ -247,17 +248,6 @@ def lazy_tail(options: FlowOptions) -> bool:
     when a flow reaches it (it is ~45% of a flow program's compile time). Samples along the
     flow need the one program that holds them all."""
     return options.stiff_tail and not options.save and options.save_ts is None
-
-
-def _together(head, tail) -> tuple[float, bool | None]:
-    """(seconds, cache hit) of two programs' `CompileTime`s (`tail` None: not needed). The
-    cache hit is False if either was compiled, else True if either came from the persistent
-    cache, else None (both were in memory)."""
-    if tail is None:
-        return head.seconds, head.cache_hit
-    hits = (head.cache_hit, tail.cache_hit)
-    hit = False if False in hits else (True if True in hits else None)
-    return head.seconds + tail.seconds, hit
 
 
 def pad_depth(model: Factorization, depth: int) -> Factorization:
@@ -325,4 +315,5 @@ def flow_batch(
         start = time.perf_counter()
         result = finish_tails(problem, model, result, options)
         wall += time.perf_counter() - start
-    return result.timed(wall, *_together(compile_time, tail_compile))
+    both = compile_time + tail_compile
+    return result.timed(wall, both.seconds, both.cache_hit)
