@@ -248,12 +248,76 @@ def test_lean_loop_takes_the_steps_of_diffeqsolve():
         assert int(getattr(lean, field)) == int(getattr(saved, field)), field
     assert int(lean.num_rejected_steps) > 0  # the reject path was exercised
     # diffrax evaluates the stopping test apart (every step, and at the start of both clock
-    # phases); the lean loop reads it off the first-same-as-last stage
-    assert int(lean.num_rhs_evals) == int(saved.num_rhs_evals) - int(saved.num_steps) - 2
+    # phases; the lean loop reads it off the first-same-as-last stage), and the saved flow
+    # spaces its physical-time samples by the gradient at the start of that phase
+    assert int(lean.num_rhs_evals) == int(saved.num_rhs_evals) - int(saved.num_steps) - 3
     for a, b in zip(lean.model.layers, saved.model.layers, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
     np.testing.assert_allclose(float(lean.energy), float(saved.energy), rtol=1e-12)
     assert gflow.energy_residual(lean) <= 1e-8
+
+
+@pytest.fixture
+def gradient_evaluations(monkeypatch):
+    """Counts the gradient evaluations that flows compiled from here on run (a host callback
+    in every loss-and-gradient and in the rounding floor's second gradient), with programs
+    compiled afresh and not stored."""
+    from collections import OrderedDict
+
+    from gflow.engine import _compile, _dynamics, _phases, _stopping
+
+    count = {"n": 0}
+
+    def counting(fn):
+        def counted(*args, **kwargs):
+            jax.debug.callback(lambda: count.__setitem__("n", count["n"] + 1))
+            return fn(*args, **kwargs)
+
+        return counted
+
+    monkeypatch.setattr(_compile, "_PROGRAMS", OrderedDict())
+    monkeypatch.setattr(_compile, "_program_path", lambda key, args: None)
+    for module in (_dynamics, _stopping):
+        monkeypatch.setattr(module, "loss_and_gradient", counting(module.loss_and_gradient))
+    monkeypatch.setattr(_phases, "rounding_ratio", counting(_phases.rounding_ratio))
+    return count
+
+
+WORK_COUNT_CASES = {
+    # diffrax's first-same-as-last Tsit5 on both clocks, samples spaced by a gradient
+    "samples": ("family", {"solver": "tsit5", "save": 3}),
+    # Euler: no first-same-as-last stage, one evaluation a step
+    "euler": ("family", {"solver": "euler", "dt": 0.05, "clock": "physical"}),
+    # the lean loops, then the stiff tail in its own loop (CG with dense fallbacks, whose
+    # stages are evaluated again) and the rounding floor's second gradient at every test
+    "stiff tail": ("random", {"rounding_floor": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(WORK_COUNT_CASES))
+def test_rhs_evals_count_every_gradient_evaluation(gradient_evaluations, case):
+    kind, options = WORK_COUNT_CASES[case]
+    if kind == "family":
+        problem, init = gflow.diagonal(3, 1.3), gflow.identity_family(3, 3, 1e-2, 2.0)
+    else:
+        problem = gflow.bernoulli(8, 8, 0.5, 2, key=jax.random.key(2))
+        init = gflow.gaussian((8,) * 5, 1e-2, key=jax.random.key(1))
+    result = gflow.flow(problem, init, **options)
+    jax.effects_barrier()
+    assert result.status_label == "converged"
+    work = result.work()
+    assert int(result.num_rhs_evals) == gradient_evaluations["n"] > 0
+    assert sum(w["rhs_evals"] for w in work.values()) == gradient_evaluations["n"]
+    if kind == "random":
+        assert work["stiff tail"]["factorizations"] > 0  # dense fallbacks were taken
+
+
+def test_implicit_diffrax_solvers_report_uncounted_evaluations():
+    """Kvaerno5's Newton iterations stay inside diffrax: −1 (not counted), not its stages."""
+    problem, model = gflow.diagonal(2), gflow.identity_family(2, 2, 0.1, 4.0)
+    result = gflow.flow(problem, model, solver="kvaerno5", rtol=1e-9)
+    assert int(result.num_rhs_evals) == -1
+    assert result.work()["explicit"]["rhs_evals"] == -1
 
 
 def test_batch_members_are_independent_and_equal_single_runs():

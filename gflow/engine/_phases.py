@@ -12,6 +12,7 @@ import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optimistix as optx
 
 from ..model import Factorization, tree_dot
@@ -110,6 +111,18 @@ class Setup(eqx.Module):
         loss, g = masked_loss_and_gradient(y["model"], self.problem, self.layer_mask)
         return self.done(loss, g, y["model"])
 
+    @property
+    def stop_evals(self) -> int:
+        """Gradient evaluations of one `stop` test: with the rounding floor, a second one
+        associated the other way (`rounding_ratio`)."""
+        return 2 if self.rounding_floor else 1
+
+    @property
+    def status_evals(self) -> int:
+        """Gradient evaluations of `_status` at a phase's end: the divergence test's, and the
+        rounding floor's test (`stop_evals`) where it applies."""
+        return 1 + (self.stop_evals if self.rounding_floor else 0)
+
 
 class FiniteErrorPID(diffrax.PIDController):
     """A PID controller that treats an overflowing trial step as a plain rejection, and that
@@ -202,17 +215,41 @@ class FiniteErrorPID(diffrax.PIDController):
 
 
 def rhs_evals_per_step(solver) -> int:
-    """Vector-field evaluations per step of an explicit tableau or of a RODAS tableau (one per
-    stage, the first from its linearisation); −1 for other solvers (not counted)."""
+    """Vector-field evaluations per step: one per stage of an explicit tableau (but the first
+    of a first-same-as-last one, the last stage of the step before), of a RODAS tableau (the
+    first from its linearisation) and of Euler; −1 for other solvers (not counted), among
+    them diffrax's implicit ones (Kvaerno5: their Newton iterations stay inside diffrax)."""
     from ._rosenbrock import TABLEAUS, Rodas4
 
     if isinstance(solver, Rodas4):
         return TABLEAUS[solver.tableau].stages
+    if isinstance(solver, diffrax.Euler):
+        return 1
     tableau = getattr(solver, "tableau", None)
-    if tableau is None or not hasattr(tableau, "c"):
+    if not isinstance(tableau, diffrax.ButcherTableau) or _implicit(tableau):
         return -1
     stages = len(tableau.c) + 1
     return stages - 1 if tableau.fsal else stages
+
+
+def _implicit(tableau) -> bool:
+    return tableau.a_diagonal is not None and bool(np.any(np.asarray(tableau.a_diagonal) != 0))
+
+
+def _first_stage(solver) -> bool:
+    """Whether the solver is one of diffrax's first-same-as-last explicit Runge–Kutta methods,
+    which take f(y0) before the first step (`_initial_solver_state`)."""
+    return isinstance(solver, diffrax.AbstractERK) and solver.tableau.fsal
+
+
+def _initial_solver_state(solver, field, y0, args):
+    """diffrax's initial state of `solver`, except that a first-same-as-last explicit method
+    gets f(y0) now: left to diffrax, its first step evaluates it, and so does every retry of a
+    rejected first step (the same value each time, uncounted by its statistics). The steps
+    are the same."""
+    if not _first_stage(solver):
+        return None
+    return (jnp.asarray(False), field(jnp.zeros(()), y0, args))
 
 
 def summary(save_layers: bool, num_sv: int):
@@ -267,8 +304,9 @@ def lean_phase(
         num_accepted_steps=run.num_accepted_steps,
         num_rejected_steps=run.num_rejected_steps,
         linear_iters=jnp.asarray(0, jnp.int32),
-        # f(y0) (which also tests y0), then every stage after the first of each step
-        rhs_evals=1 + rhs_evals_per_step(solver) * run.num_steps,
+        # f(y0) (which also tests y0), every stage after the first of each step, and the
+        # divergence test at the end
+        rhs_evals=2 + rhs_evals_per_step(solver) * run.num_steps,
         solver_code=jnp.asarray(0, jnp.int32),  # the loop has no failure mode of its own
     )
     return PhaseRun(run.y, run.t, status, stats, {})
@@ -344,6 +382,9 @@ def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean)
         grid,
     )
     run = _diffrax_run(setup, sol, solver, end_status=Status.T_MAX, samples=grid is not None)
+    if setup.save and setup.save_ts is None:  # the gradient that spaced the samples
+        evals = run.stats.rhs_evals
+        run = eqx.tree_at(lambda r: r.stats.rhs_evals, run, jnp.where(evals < 0, evals, evals + 1))
     if setup.save_ts is not None:
         # requested times outside this phase are clipped into it: mark them invalid
         ts = jnp.asarray(setup.save_ts, dtype)
@@ -372,8 +413,12 @@ def stiff_phase(setup: Setup, solver, y0, t_offset, t1, max_steps) -> PhaseRun:
         num_steps=run.num_steps,
         num_accepted_steps=run.num_accepted_steps,
         num_rejected_steps=run.num_steps - run.num_accepted_steps,
-        # every stage of every step, and the stopping rule at y0 and at each accepted point
-        rhs_evals=per_step * run.num_steps + run.num_accepted_steps + 1
+        # every stage of every step (and those solved again densely), the stopping rule at
+        # y0 and at each accepted point, and the status at the end
+        rhs_evals=per_step * run.num_steps
+        + _redone_stages(run.solver_state)
+        + setup.stop_evals * (run.num_accepted_steps + 1)
+        + setup.status_evals
         if per_step > 0
         else jnp.where(run.num_steps > 0, -1, 0),
         solver_code=solver_code(run.result),
@@ -396,6 +441,7 @@ def _diffeqsolve(setup: Setup, field, solver, y0, t1, dt0, args, max_steps, even
         max_steps=max_steps,
         event=event,
         saveat=_saveat(grid, setup.summary),
+        solver_state=_initial_solver_state(solver, field, y0, args),
         throw=False,
     )
 
@@ -426,9 +472,14 @@ def _diffrax_run(setup: Setup, sol, solver, end_status, samples: bool) -> PhaseR
         num_steps=num_steps,
         num_accepted_steps=sol.stats["num_accepted_steps"],
         num_rejected_steps=sol.stats["num_rejected_steps"],
-        # known per step (explicit tableaus, RODAS4), +1 per step for the stopping rule, f(y0)
-        # and the test at y0; diffrax's implicit solvers: not counted
-        rhs_evals=num_steps * (per_step + 1) + 2
+        # known per step (explicit tableaus, Euler, RODAS), f(y0) where the tableau takes it
+        # (`_first_stage`), the stopping rule at y0 and after every step, and the status at
+        # the end; diffrax's implicit solvers: not counted
+        rhs_evals=per_step * num_steps
+        + _first_stage(solver)
+        + _redone_stages(sol.solver_state)
+        + setup.stop_evals * (num_steps + 1)
+        + setup.status_evals
         if per_step > 0
         else jnp.where(num_steps > 0, -1, 0),
         solver_code=solver_code(sol.result),
@@ -458,6 +509,14 @@ def _status(setup: Setup, y_end, result, stopped, at_t_max, end_status) -> jax.A
         ],
         otherwise=Status.FAILED,
     )
+
+
+def _redone_stages(solver_state):
+    """Vector-field evaluations of `Rodas4` stages solved again densely after a failed CG (0
+    for other solvers)."""
+    if isinstance(solver_state, dict) and "redone_stages" in solver_state:
+        return solver_state["redone_stages"]
+    return 0
 
 
 def _linear_work(solver_state) -> dict:

@@ -139,8 +139,13 @@ class FlowResult(eqx.Module):
     - `status`: a `Status` code (int array; `status_label` gives its name).
     - `t_end`: the physical time reached (for descent: steps × learning rate).
     - `loss`, `loss_init`: the loss at the end and at the start.
-    - `num_steps`, `num_accepted_steps`, `num_rejected_steps`, `num_rhs_evals`: solver work;
-      RHS evaluations count every gradient evaluation, the stopping rule's included.
+    - `num_steps`, `num_accepted_steps`, `num_rejected_steps`, `num_rhs_evals`: solver work.
+      RHS evaluations count every gradient evaluation of the solve: the steps' (rejected ones
+      included), the stopping rule's, the one that picks the clock and each phase's status
+      (with `rounding_floor`, its second gradient too). −1 where a phase ran one of diffrax's
+      implicit solvers (`kvaerno5`), whose Newton iterations diffrax does not report. The one
+      gap: a stiff tail with samples saved (it then runs in `diffeqsolve`) misses the dense
+      re-solves of its rejected steps' failed CG (tests/test_flow.py counts the rest).
     - `num_linear_iters`: conjugate-gradient iterations (a Hessian-vector product and a
       preconditioner application each) of the Rosenbrock phases, 0 when they ran with dense
       linear algebra or did not run (with a Gauss–Newton preconditioner of ≥ 1,024 observed
@@ -207,14 +212,15 @@ class FlowResult(eqx.Module):
         )
 
     def work(self) -> dict:
-        """The work of each phase that ran: {phase label: {column: count}} (one member)."""
+        """The work of each phase that did any: {phase label: {column: count}} (one member).
+        A phase can evaluate without taking a step (its start and its status)."""
         table = np.asarray(self.phase_work)
         if table.ndim != 2:
             raise ValueError("work() reads one result; use result.member(i) on a batch")
         return {
             Phase(i).label: dict(zip(WORK_COLUMNS, (int(v) for v in row), strict=True))
             for i, row in enumerate(table)
-            if row[0] > 0
+            if np.any(row != 0)
         }
 
     def timed(

@@ -514,7 +514,9 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
 
     The solver state counts CG iterations (`iters`) and `factorizations` of accepted steps:
     diffrax discards the state of a rejected step, so its work goes uncounted, and a rebuild
-    or fallback it decided on is decided again by its retry.
+    or fallback it decided on is decided again by its retry. It also counts the vector-field
+    evaluations of stages solved again densely after a failed CG (`redone_stages`), which
+    `_solver_loop` keeps from rejected steps too.
     """
 
     term_structure: ClassVar = diffrax.AbstractTerm
@@ -526,7 +528,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     # overwritten), and otherwise the kept one is the one it started with. Only under a
     # batch (whose rebuilds are shared) can a rejected member keep a preconditioner built at
     # its own point that `diffeqsolve` would have discarded: still a valid SPD one.
-    kept_on_rejection: ClassVar[tuple[str, ...]] = ("structured",)
+    kept_on_rejection: ClassVar[tuple[str, ...]] = ("structured", "redone_stages")
     linear_solver: str = "auto"
     tableau: str = "rodas4p2"
     symmetric: bool = False
@@ -678,6 +680,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             state["previous"] = jnp.zeros((size, TABLEAUS[self.tableau].stages), flat.dtype)
         if self._uses_cg(size) and self._falls_back(size):
             state["dense_hold"] = jnp.asarray(0, jnp.int32)  # steps to stay dense
+            # vector-field evaluations of stages solved again densely after a failed CG
+            state["redone_stages"] = jnp.asarray(0, jnp.int32)
         return state
 
     def func(self, terms, t0, y0, args):
@@ -781,6 +785,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                 factorized = dense_now.astype(jnp.int32)
                 new_hold = jnp.where(failed, self.fallback_hold, jnp.maximum(hold - 1, 0))
                 new_state["dense_hold"] = new_hold.astype(jnp.int32)
+                redone = (tableau.stages - 1) * failed.astype(jnp.int32)
+                new_state["redone_stages"] = solver_state["redone_stages"] + redone
 
         combine = lambda kk: sum(m * k for m, k in zip(m_, kk, strict=True))
         y1 = unravel(flat0 + combine(ks))

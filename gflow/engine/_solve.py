@@ -407,6 +407,8 @@ def _result(problem, options, loss0, runs, end: _Ending, handover, trajectory, s
     if handover is not None:  # a stiff tail that did not run for this member did no work
         stats[2] = jax.tree_util.tree_map(lambda x: jnp.where(handover, x, 0), stats[2])
     rows = [_work_row(s) for s in stats]
+    # the initial gradient, which chose the clock, counts in the first phase's evaluations
+    rows[0] = rows[0].at[2].add(jnp.where(rows[0][2] < 0, 0, 1))
     rows += [jnp.zeros_like(rows[0])] * (len(Phase) - len(rows))
     accepted = sum(s.num_accepted_steps for s in stats)
     return _assemble(problem, options, loss0, jnp.stack(rows), accepted, end, trajectory)
