@@ -252,8 +252,9 @@ def test_a_deferred_stiff_tail_finished_alone_is_the_same_flow(stiff_case):
 def test_the_lean_tail_takes_the_steps_of_diffeqsolve():
     """With nothing saved the stiff tail runs in `_solver_loop`, which keeps the Gauss–Newton
     preconditioner from a rejected step instead of restoring it: the same steps (rejected ones
-    included), the same linear-solver work and the same endpoint, bit for bit, as the tail in
-    `diffeqsolve`. A d = 8 random mask whose CG tail rejects steps and rebuilds."""
+    included) and the same endpoint, bit for bit, as the tail in `diffeqsolve`, and the same
+    linear-solver work plus that of the rejected steps, which `diffeqsolve` does not keep. A
+    d = 8 random mask whose CG tail rejects steps and rebuilds."""
     from gflow.engine import _phases, _solve
 
     problem = gflow.bernoulli(8, 8, 0.5, 2, key=jax.random.key(1))
@@ -281,8 +282,11 @@ def test_the_lean_tail_takes_the_steps_of_diffeqsolve():
     lean, full = tail(True), tail(False)
     assert int(lean.status) == int(full.status) == gflow.Status.CONVERGED
     assert int(full.stats.num_rejected_steps) > 0 and int(full.stats.factorizations) > 1
-    for field in ("num_steps", "num_rejected_steps", "linear_iters", "factorizations"):
+    for field in ("num_steps", "num_rejected_steps"):
         assert int(getattr(lean.stats, field)) == int(getattr(full.stats, field)), field
+    # the rejected steps ran CG too
+    assert int(lean.stats.linear_iters) > int(full.stats.linear_iters)
+    assert int(lean.stats.factorizations) >= int(full.stats.factorizations)
     assert float(lean.t) == float(full.t)
     for a, b in zip(lean.y["model"].layers, full.y["model"].layers, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -152,8 +152,10 @@ class FlowResult(eqx.Module):
       entries each CG step also spends one Hessian-vector product per stage, uncounted, on
       starting its stages' CG from the previous step's stage solutions);
       `num_factorizations`: their dense factorisations or preconditioner builds. Both count
-      accepted steps only: diffrax keeps no solver state from a rejected step, so its linear
-      algebra goes uncounted (`num_rejected_steps` says how many steps that is).
+      every step of the stiff tail of `solver="auto"`, rejected ones included, but only
+      accepted steps where a Rosenbrock phase runs in `diffeqsolve` (samples saved, or
+      `solver="rodas4"`): diffrax keeps no solver state from a rejected step
+      (`num_rejected_steps` says how many steps that is).
     - `phase_work`: the work of each phase, an int array of shape (3, 5): rows indexed by
       `Phase` (loss clock, explicit, stiff tail), columns `WORK_COLUMNS` (steps, rejected
       steps, vector-field evaluations, CG iterations, factorisations); `work()` gives it as a

@@ -512,11 +512,11 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       2.3× faster to equal). Unpreconditioned on the stiff linear test system of
       tests/test_stiff.py it took 2,171 iterations against 1,810 for `stages` (2,172 from 0).
 
-    The solver state counts CG iterations (`iters`) and `factorizations` of accepted steps:
-    diffrax discards the state of a rejected step, so its work goes uncounted, and a rebuild
-    or fallback it decided on is decided again by its retry. It also counts the vector-field
-    evaluations of stages solved again densely after a failed CG (`redone_stages`), which
-    `_solver_loop` keeps from rejected steps too.
+    The solver state counts CG iterations (`iters`), `factorizations` and the vector-field
+    evaluations of stages solved again densely after a failed CG (`redone_stages`).
+    `_solver_loop` keeps these counts from rejected steps too; `diffeqsolve` discards the state
+    of a rejected step, so there its work goes uncounted. Either way a rebuild or fallback a
+    rejected step decided on is decided again by its retry.
     """
 
     term_structure: ClassVar = diffrax.AbstractTerm
@@ -527,8 +527,14 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     # the same state, so it rebuilds again where the rejected step did (the kept one is then
     # overwritten), and otherwise the kept one is the one it started with. Only under a
     # batch (whose rebuilds are shared) can a rejected member keep a preconditioner built at
-    # its own point that `diffeqsolve` would have discarded: still a valid SPD one.
-    kept_on_rejection: ClassVar[tuple[str, ...]] = ("structured", "redone_stages")
+    # its own point that `diffeqsolve` would have discarded: still a valid SPD one. The work
+    # counters are kept too: a rejected step's work was done.
+    kept_on_rejection: ClassVar[tuple[str, ...]] = (
+        "structured",
+        "iters",
+        "factorizations",
+        "redone_stages",
+    )
     linear_solver: str = "auto"
     tableau: str = "rodas4p2"
     symmetric: bool = False

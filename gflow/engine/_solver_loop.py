@@ -7,8 +7,9 @@ that state holds the |Ω| × |Ω| Gram inverse, which the select copies at every
 controller as `diffeqsolve` does (the same initial step, accept/reject rule, clipping to t1 and
 boolean stopping test, so the same steps and endpoint), but takes the leaves the solver names in
 `kept_on_rejection` from every step as they are (`Rodas4` says why that is safe for its
-preconditioner), and evaluates the stopping test only at accepted points (at a rejected one y
-has not moved, and the test had not fired there).
+preconditioner; its work counters then count rejected steps too), and evaluates the stopping
+test only at accepted points (at a rejected one y has not moved, and the test had not fired
+there).
 """
 
 from __future__ import annotations
