@@ -140,12 +140,14 @@ class FlowResult(eqx.Module):
     - `t_end`: the physical time reached (for descent: steps × learning rate).
     - `loss`, `loss_init`: the loss at the end and at the start.
     - `num_steps`, `num_accepted_steps`, `num_rejected_steps`, `num_rhs_evals`: solver work.
-      RHS evaluations count every gradient evaluation of the solve: the steps' (rejected ones
-      included), the stopping rule's, the one that picks the clock and each phase's status
-      (with `rounding_floor`, its second gradient too). −1 where a phase ran one of diffrax's
-      implicit solvers (`kvaerno5`), whose Newton iterations diffrax does not report. The one
-      gap: a stiff tail with samples saved (it then runs in `diffeqsolve`) misses the dense
-      re-solves of its rejected steps' failed CG (tests/test_flow.py counts the rest).
+      RHS evaluations count every gradient evaluation the solve asks for: the steps'
+      (rejected ones included), the stopping rule's, the one that picks the clock and each
+      phase's status (with `rounding_floor`, its second gradient too). XLA may merge two on
+      the same point into one (the clock's and the first step's). −1 where a phase ran one of
+      diffrax's implicit solvers (`kvaerno5`), whose Newton iterations diffrax does not
+      report. The one gap: a stiff tail with samples saved (it then runs in `diffeqsolve`)
+      misses the dense re-solves of its rejected steps' failed CG (tests/test_flow.py counts
+      the rest).
     - `num_linear_iters`: conjugate-gradient iterations (a Hessian-vector product and a
       preconditioner application each) of the Rosenbrock phases, 0 when they ran with dense
       linear algebra or did not run (with a Gauss–Newton preconditioner of ≥ 1,024 observed
