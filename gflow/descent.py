@@ -17,7 +17,7 @@ import optax
 
 from .engine._compile import program
 from .engine._result import FlowResult, Status, Trajectory, select_status
-from .engine._stopping import default_atol, is_diverged, remaining_distance_ratio
+from .engine._stopping import convergence, default_atol
 from .model import Factorization, loss_and_gradient, tree_dot
 from .problem import Problem
 
@@ -125,12 +125,12 @@ def descend_solve(
 
     def body(state):
         params, k = state["params"], state["k"]
-        loss, g = loss_and_gradient(params, problem)
-        ratio = remaining_distance_ratio(params, problem, rtol, atol)
+        loss, g = loss_and_gradient(params, problem)  # the step's one gradient
+        ratio, diverged = convergence(loss, g, params, rtol, atol, None, options.divergence_bound)
         out_of_time = k >= steps_for_t_max
         status = select_status(
             [
-                (is_diverged(params, problem, options.divergence_bound), Status.DIVERGED),
+                (diverged, Status.DIVERGED),
                 (early_stop(loss), Status.LOSS_REACHED),
                 (ratio <= 1.0, Status.CONVERGED),
                 (out_of_time & (k >= options.max_steps), Status.MAX_STEPS),

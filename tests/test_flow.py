@@ -264,6 +264,7 @@ def gradient_evaluations(monkeypatch):
     compiled afresh and not stored."""
     from collections import OrderedDict
 
+    import gflow.descent
     from gflow.engine import _compile, _dynamics, _phases, _stopping
 
     count = {"n": 0}
@@ -277,7 +278,7 @@ def gradient_evaluations(monkeypatch):
 
     monkeypatch.setattr(_compile, "_PROGRAMS", OrderedDict())
     monkeypatch.setattr(_compile, "_program_path", lambda key, args: None)
-    for module in (_dynamics, _stopping):
+    for module in (_dynamics, _stopping, gflow.descent):
         monkeypatch.setattr(module, "loss_and_gradient", counting(module.loss_and_gradient))
     monkeypatch.setattr(_phases, "rounding_ratio", counting(_phases.rounding_ratio))
     return count
@@ -315,6 +316,15 @@ def test_rhs_evals_count_every_gradient_evaluation(gradient_evaluations, tail_st
         accepted = tail["steps"] - tail["rejected_steps"]
         plain = tail_stages(problem) * tail["steps"] + 2 * (accepted + 1) + 3
         assert tail["rhs_evals"] > plain
+
+
+def test_descent_counts_one_gradient_a_step(gradient_evaluations):
+    """Its stopping rule and divergence test read the step's own gradient."""
+    problem, init = gflow.diagonal(3, 1.3), gflow.identity_family(3, 3, 0.1, 2.0)
+    result = gflow.descend(problem, init, lr=0.05, max_steps=500)
+    jax.effects_barrier()
+    assert int(result.num_steps) > 0
+    assert int(result.num_rhs_evals) == int(result.num_steps) + 1 == gradient_evaluations["n"]
 
 
 def test_implicit_diffrax_solvers_report_uncounted_evaluations():
