@@ -91,12 +91,14 @@ def test_live_programs_are_bounded_least_recently_used_first(monkeypatch):
     before = maps()
     runs = [gflow.flow(gflow.diagonal(2), gflow.identity_family(2, 2, 0.1, 4.0))]
     one = maps()
-    for d in (3, 4):
+    for d in (3, 4, 5):
         gflow.flow(gflow.diagonal(d), gflow.identity_family(d, 2, 0.1, 4.0))
     gc.collect()
     assert len(_compile._PROGRAMS) == 1
-    assert maps() - before < 1.5 * (one - before)  # three programs, the mappings of one
-    again = gflow.flow(gflow.diagonal(4), gflow.identity_family(4, 2, 0.1, 4.0))
+    # Three more programs add fewer mappings than the first took (kept alive, each adds about
+    # as many: 190–260 a program on jax 0.10 and 0.12; evicted, 0–60, what XLA keeps).
+    assert maps() - one < one - before
+    again = gflow.flow(gflow.diagonal(5), gflow.identity_family(5, 2, 0.1, 4.0))
     assert again.compile_cache_hit is None  # still alive
     first = gflow.flow(gflow.diagonal(2), gflow.identity_family(2, 2, 0.1, 4.0))
     assert first.compile_cache_hit is not None  # evicted: loaded (or compiled) again
