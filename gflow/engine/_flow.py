@@ -144,14 +144,13 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
         jax.tree_util.tree_structure(FlowResult.skeleton(init)), leaves
     )
     observed = observed_bound(problem)
+    axis = None if in_axes is None else "flows"
 
     def make_fn():
         from ._solve import finish_tail
 
-        if in_axes is None:
-            return lambda p, m, h: finish_tail(p, m, h, options, observed=observed)
-        fn = lambda p, m, h: finish_tail(p, m, h, options, observed=observed, batch_axis="flows")
-        return jax.vmap(fn, in_axes=(*in_axes, 0), axis_name="flows")
+        fn = lambda p, m, h: finish_tail(p, m, h, options, observed=observed, batch_axis=axis)
+        return fn if in_axes is None else jax.vmap(fn, in_axes=(*in_axes, 0), axis_name=axis)
 
     compiled, compile_time = program(
         "flow-tail",

@@ -381,10 +381,9 @@ def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean)
         diffrax.Event({"stop": setup.stop}),
         grid,
     )
-    run = _diffrax_run(setup, sol, solver, end_status=Status.T_MAX, samples=grid is not None)
-    if setup.save and setup.save_ts is None:  # the gradient that spaced the samples
-        evals = run.stats.rhs_evals
-        run = eqx.tree_at(lambda r: r.stats.rhs_evals, run, jnp.where(evals < 0, evals, evals + 1))
+    # with `save` (not `save_ts`) the gradient at y0 spaced the samples
+    spacing = int(setup.save_ts is None and bool(setup.save))
+    run = _diffrax_run(setup, sol, solver, Status.T_MAX, grid is not None, spacing)
     if setup.save_ts is not None:
         # requested times outside this phase are clipped into it: mark them invalid
         ts = jnp.asarray(setup.save_ts, dtype)
@@ -457,7 +456,9 @@ def _saveat(grid, summary_fn):
     )
 
 
-def _diffrax_run(setup: Setup, sol, solver, end_status, samples: bool) -> PhaseRun:
+def _diffrax_run(setup: Setup, sol, solver, end_status, samples: bool, extra_evals=0) -> PhaseRun:
+    """A `diffeqsolve` phase's final state, status and work; `extra_evals`: gradients the
+    phase took outside `diffeqsolve`."""
     ys = sol.ys[0] if isinstance(sol.ys, list | tuple) else sol.ys
     ts = sol.ts[0] if isinstance(sol.ts, list | tuple) else sol.ts
     y_end = jax.tree_util.tree_map(lambda x: x[-1], ys)
@@ -480,8 +481,9 @@ def _diffrax_run(setup: Setup, sol, solver, end_status, samples: bool) -> PhaseR
         + _redone_stages(sol.solver_state)
         + setup.stop_evals * (num_steps + 1)
         + setup.status_evals
+        + extra_evals
         if per_step > 0
-        else jnp.where(num_steps > 0, -1, 0),
+        else jnp.where(num_steps > 0, -1, extra_evals),
         solver_code=solver_code(sol.result),
         **_linear_work(sol.solver_state),
     )
