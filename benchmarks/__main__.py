@@ -110,15 +110,19 @@ def _plot(name, result, path):
             keys = ("sgd_s", "sgd_s_extrapolated", "sgd_s_at_least")
             ys = [next(t[k] for k in keys if k in t) for t in ts]
             # Markers only: a measured time, an extrapolation and a lower bound are not one curve.
-            ax.loglog(ds, ys, "sv"[k], ls="none", ms=7, label=f"SGD to within {eps:.0e}")
+            (marker,) = ax.loglog(
+                ds, ys, "sv"[k], ls="none", ms=7, label=f"SGD to within {eps:.0e}"
+            )
             for x, y, t in zip(ds, ys, ts, strict=True):
                 if "sgd_s" not in t:
                     note = "≈ extrapolated" if "sgd_s_extrapolated" in t else "≥ lower bound"
+                    # 1e-6 (the higher point) labelled above, 1e-4 below: never on each other
                     ax.annotate(
                         note,
                         (x, y),
                         fontsize=7,
-                        xytext=(7, -3 - 10 * k),
+                        color=marker.get_color(),
+                        xytext=(7, 4 if k else -10),
                         textcoords="offset points",
                         ha="left",
                     )
