@@ -89,11 +89,31 @@ def test_block_cholesky_solve_is_the_inverse(size, block, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-7 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("size, block", [(16, 4), (23, 5), (7, 2), (9, 3)])
+def test_blocked_spd_inverse_is_the_inverse(size, block, monkeypatch):
+    """The `inverse` factorization's blocked L⁻ᵀL⁻¹, over even and uneven blocks, on an SPD
+    matrix of condition 1e8: exactly symmetric, and the dense inverse to ~cond·ε."""
+    monkeypatch.setattr(_gram, "INVERSE_BLOCK", block)
+    rng = np.random.default_rng(size)
+    q, _ = np.linalg.qr(rng.normal(size=(size, size)))
+    matrix = (q * np.logspace(-6, 2, size)) @ q.T
+    got = np.asarray(_gram._spd_inverse(jnp.asarray(matrix)))
+    assert np.array_equal(got, got.T)
+    want = np.linalg.inv(matrix)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-7 * np.abs(want).max())
+    residual = np.linalg.norm(matrix @ got - np.eye(size), 2)
+    assert residual <= 1e-7
+    # Not positive definite: not finite, so that `build` falls back to no preconditioner.
+    assert not np.all(np.isfinite(np.asarray(_gram._spd_inverse(jnp.asarray(-matrix)))))
+
+
 def test_cholesky_preconditioner_over_several_blocks_equals_the_inverse(case, monkeypatch):
     """The Woodbury preconditioner through a Gram factorised in blocks of 4 rows (the last one
-    shorter, the observed entries' zero-weight padding inside) is the explicit inverse's."""
+    shorter, the observed entries' zero-weight padding inside) is the explicit inverse's,
+    itself formed in blocks of 5 rows."""
     problem, model, layer_mask, size = case
     monkeypatch.setattr(_gram, "CHOLESKY_BLOCK", 4)
+    monkeypatch.setattr(_gram, "INVERSE_BLOCK", 5)
     flat, unravel = ravel_pytree(model)
     r = unravel(jnp.asarray(np.random.default_rng(1).normal(size=flat.shape)))
     for shift in (1e-4, 1.0):

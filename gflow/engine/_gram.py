@@ -18,9 +18,10 @@ point θ₀ (J₀ = J(θ₀)) and factorised once, in one of two ways:
 - `inverse`: M₀ = (s₀I + J₀J₀ᵀ)⁻¹ formed explicitly at the shift s₀ of the step that builds
   it, and M⁻¹ = (I − J₀ᵀM₀J₀)/s for the current shift s. Exact at s = s₀; for s ≠ s₀ its
   eigenvalues on range(J₀ᵀ) are s₀/(s(s₀ + μ)) against 1/(s + μ), off by at most a factor
-  max(s/s₀, s₀/s), which costs CG iterations as the step size drifts. Forming it takes under
-  half an eigendecomposition's time (|Ω| = 2,945 on 2 CPU cores, 2026-12-05: 0.82 s against
-  1.8–2.1 s), and applying it one matrix-vector product.
+  max(s/s₀, s₀/s), which costs CG iterations as the step size drifts. Formed from its
+  Cholesky factor in blocks (`_spd_inverse`), it takes under a third of an
+  eigendecomposition's time (|Ω| = 2,945 on 2 CPU cores, 2026-12-05: 0.55 s against
+  1.8–2.1 s; `jnp.linalg.inv` 0.82 s), and applying it one matrix-vector product.
 - `cholesky`: the same M₀, kept as the Cholesky factor L of s₀I + J₀J₀ᵀ. XLA's triangular
   solve of one vector is ~6× slower on CPU than a product with the inverse, so the factor is
   stored as panels for block triangular solves (`_block_cholesky`): together they hold as
@@ -49,6 +50,10 @@ FACTORIZATIONS = ("inverse", "eigh", "cholesky")
 # enough that each panel product runs near memory bandwidth, small enough that the blocks'
 # inverses (|Ω| × BLOCK entries) stay a small part of what an application reads.
 CHOLESKY_BLOCK = 1024
+# Rows of a block of the `inverse` factorization's blocked L⁻ᵀL⁻¹ (`_spd_inverse`), used from
+# three blocks on: below that `jnp.linalg.inv` is as fast (2 CPU cores, 2026-12-05: 1,536
+# entries in two blocks 0.148 s against 0.147 s, in three 0.131 s).
+INVERSE_BLOCK = 512
 
 
 class GaussNewtonState(eqx.Module):
@@ -102,6 +107,39 @@ def _blocks(size: int, rows: int | None = None) -> list[tuple[int, int]]:
         rows = -(-size // -(-size // CHOLESKY_BLOCK))
     edges = [min(i * rows, size) for i in range(-(-size // rows) + 1)]
     return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def _spd_inverse(matrix):
+    """The inverse of an SPD matrix as L⁻ᵀL⁻¹ from its Cholesky factor L, block by block
+    (`INVERSE_BLOCK` rows): the blocks of L⁻¹ below the diagonal and of L⁻ᵀL⁻¹ above it are
+    matrix products, ~n³ flops in all where `jnp.linalg.inv` (an LU factorisation and two
+    triangular solves with n right-hand sides) takes ~2.7n³. On 2 CPU cores (2026-12-05):
+    0.55 s against 0.82 s at 2,944 rows, 1.21 s against 2.08 s at 4,096. Exactly symmetric
+    (the blocks below the diagonal are those above it, transposed); not finite where the
+    matrix is not numerically positive definite."""
+    blocks = _blocks(matrix.shape[0], INVERSE_BLOCK)
+    if len(blocks) < 3:
+        inverse = jnp.linalg.inv(0.5 * (matrix + matrix.T))
+        return 0.5 * (inverse + inverse.T)
+    factor = jnp.linalg.cholesky(matrix, symmetrize_input=False)
+    part = lambda x, i, j: x[blocks[i][0] : blocks[i][1], blocks[j][0] : blocks[j][1]]
+    count = len(blocks)
+    lower = {}  # the blocks of L⁻¹
+    for j, (start, end) in enumerate(blocks):
+        eye = jnp.eye(end - start, dtype=matrix.dtype)
+        lower[j, j] = jax.scipy.linalg.solve_triangular(part(factor, j, j), eye, lower=True)
+    for j in range(count):
+        for i in range(j + 1, count):
+            below = sum(part(factor, i, k) @ lower[k, j] for k in range(j, i))
+            lower[i, j] = -lower[i, i] @ below
+    upper = {
+        (i, j): sum(lower[k, i].T @ lower[k, j] for k in range(j, count))
+        for i in range(count)
+        for j in range(i, count)
+    }
+    return jnp.block(
+        [[upper[i, j] if i <= j else upper[j, i].T for j in range(count)] for i in range(count)]
+    )
 
 
 def _block_cholesky(matrix):
@@ -160,7 +198,7 @@ def build(
     if layer_mask is None:
         layer_mask = jnp.ones((model.depth,), model.layers[0].dtype)
     g = gram(model.layers, rows, cols, weight, layer_mask)
-    if factorization != "cholesky":  # a Cholesky factorisation reads one triangle only
+    if factorization == "eigh":  # the Cholesky-based factorizations read one triangle only
         g = 0.5 * (g + g.T)
     panels = ()
     if factorization == "eigh":
@@ -172,8 +210,7 @@ def build(
         if factorization == "cholesky":
             matrix, panels = _block_cholesky(shifted)
         else:
-            matrix = jnp.linalg.inv(shifted)
-            matrix = 0.5 * (matrix + matrix.T)  # symmetric to rounding: CG needs an SPD map
+            matrix = _spd_inverse(shifted)  # exactly symmetric: CG needs an SPD map
     leaves = jax.tree_util.tree_leaves((values, matrix, panels))
     ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     return GaussNewtonState(
@@ -249,8 +286,10 @@ class GaussNewtonPreconditioner(eqx.Module):
     def refresh_budget(self) -> int:
         """Excess CG iterations that justify a rebuild: about what a rebuild costs, so that
         staleness never costs more than twice the best schedule. Measured on 2 CPU cores at
-        |Ω| = 2,945 (d = 100): the explicit inverse takes 0.93 s, a CG iteration (Hessian-vector
-        product and preconditioner) 2.7 ms, i.e. ~|Ω|/8; an eigendecomposition 2.4 s, but its
+        |Ω| = 2,945 (d = 100): the explicit inverse took 0.93 s, a CG iteration (Hessian-vector
+        product and preconditioner) 2.7 ms, i.e. ~|Ω|/8 (the blocked inverse now takes
+        ~0.6 s, but |Ω|/12 and |Ω|/16 gave the same solve time to noise: 26.9–28.1 s against
+        27.0–27.9 s, 2026-12-05); an eigendecomposition 2.4 s, but its
         preconditioner is exact at every shift and goes stale more slowly. At |Ω| = 704
         (d = 50) budgets |Ω|/25…|Ω|/3 gave the same solve time to noise. The blocked Cholesky
         factor at |Ω| = 12,000: 11.4 s against 30–40 ms an iteration, ~|Ω|/24 (at |Ω| = 6,750,
