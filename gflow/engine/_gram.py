@@ -118,12 +118,12 @@ def _spd_inverse(matrix):
     (the blocks below the diagonal are those above it, transposed); not finite where the
     matrix is not numerically positive definite."""
     blocks = _blocks(matrix.shape[0], INVERSE_BLOCK)
-    if len(blocks) < 3:
+    count = len(blocks)
+    if count < 3:
         inverse = jnp.linalg.inv(0.5 * (matrix + matrix.T))
         return 0.5 * (inverse + inverse.T)
     factor = jnp.linalg.cholesky(matrix, symmetrize_input=False)
     part = lambda x, i, j: x[blocks[i][0] : blocks[i][1], blocks[j][0] : blocks[j][1]]
-    count = len(blocks)
     lower = {}  # the blocks of L⁻¹
     for j, (start, end) in enumerate(blocks):
         eye = jnp.eye(end - start, dtype=matrix.dtype)
@@ -198,11 +198,9 @@ def build(
     if layer_mask is None:
         layer_mask = jnp.ones((model.depth,), model.layers[0].dtype)
     g = gram(model.layers, rows, cols, weight, layer_mask)
-    if factorization == "eigh":  # the Cholesky-based factorizations read one triangle only
-        g = 0.5 * (g + g.T)
     panels = ()
     if factorization == "eigh":
-        values, matrix = jnp.linalg.eigh(g)
+        values, matrix = jnp.linalg.eigh(g)  # symmetrises g; the Cholesky-based read one triangle
         values = jnp.maximum(values, 0.0)
     else:
         shifted = g + shift * jnp.eye(size, dtype=g.dtype)
