@@ -33,12 +33,13 @@ DIFFRAX_FIRST_STEP = 0.01
 
 
 def end_floor(t1, ulps: int = 100):
-    """t1 − 100 ulp: a step ending past it ends at t1 (as in `diffeqsolve`).
+    """t1 − `ulps` ulp (100, as in `diffeqsolve`): a step ending past it ends at t1.
 
     Bit for bit what `ulps` chained `jnp.nextafter(·, −∞)` give (±0, subnormals, ±∞ and nan
-    included; tests/test_flow.py), but on the bit pattern in a few operations: under
-    `vmap` XLA's algebraic simplifier cycled on the chain (~12 operations a step) and logged
-    an error for every program holding it."""
+    included; tests/test_flow.py), in a few integer operations on the bit pattern: in batched
+    programs XLA's algebraic simplifier cycled on the chain (~12 operations a step) and
+    logged an error line at every compilation."""
+    t1 = jnp.asarray(t1)
     int_dtype = {8: jnp.int64, 4: jnp.int32}[t1.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(t1, int_dtype)
     top = jnp.iinfo(int_dtype).max  # all bits but the sign
