@@ -53,7 +53,16 @@ def test_closed_form_gram_is_j_jt(case):
     assert np.all(gram[n:] == 0) and np.all(gram[:, n:] == 0)
 
 
-@pytest.mark.parametrize("factorization", _gram.FACTORIZATIONS)
+# The factorisations of the whole Gram; `tangent` approximates it (its own tests below).
+EXACT = [f for f in _gram.FACTORIZATIONS if f != "tangent"]
+
+
+def _build(model, problem, layer_mask, size, shift, factorization):
+    rank = 2 if factorization == "tangent" else 0
+    return _gram.build(model, problem.mask, layer_mask, size, shift, factorization, rank)
+
+
+@pytest.mark.parametrize("factorization", EXACT)
 @pytest.mark.parametrize("shift", [1e-4, 1.0, 1e3])
 def test_preconditioner_is_the_woodbury_inverse(case, shift, factorization):
     """apply(r) = (s·I + JᵀJ)⁻¹ r, J with frozen columns zeroed: `eigh` at every shift from
@@ -149,13 +158,113 @@ def test_a_stale_preconditioner_is_still_symmetric_positive_definite(case, facto
     """Built at one point, applied with any shift: the map CG sees stays SPD."""
     problem, model, layer_mask, size = case
     stale = gflow.pad_depth(gflow.gaussian([6, 4, 3, 5], 0.3, key=7), 4)
-    state = _gram.build(stale, problem.mask, layer_mask, size, 1e-2, factorization)
+    state = _build(stale, problem, layer_mask, size, 1e-2, factorization)
     flat, unravel = ravel_pytree(model)
     apply = jax.jit(lambda s, v: ravel_pytree(_gram.apply(state, s, unravel(v)))[0])
     for shift in (1e-6, 1e-2, 10.0):
         matrix = np.asarray(jax.vmap(lambda v, s=shift: apply(s, v))(jnp.eye(flat.size))).T
         np.testing.assert_allclose(matrix, matrix.T, atol=1e-10 * np.abs(matrix).max())
         assert np.linalg.eigvalsh(0.5 * (matrix + matrix.T)).min() > 0
+
+
+def _tangent_basis(model, problem, rank):
+    """Z dense: the observed entries (in `observed_entries` order) of U[:, a]·e_jᵀ, columns
+    (a, j), then of e_i·V[:, a]ᵀ, columns (a, i)."""
+    u, v = (np.asarray(x) for x in _gram._tangent_directions(model, rank))
+    rows, cols = np.nonzero(np.asarray(problem.mask))
+    d_out, d_in = problem.shape
+    z = np.zeros((rows.size, rank * (d_in + d_out)))
+    for p, (i, j) in enumerate(zip(rows, cols, strict=True)):
+        for a in range(rank):
+            z[p, a * d_in + j] = u[i, a]
+            z[p, rank * d_in + a * d_out + i] = v[j, a]
+    return z
+
+
+@pytest.mark.parametrize("rank", [1, 2, 5])
+def test_tangent_system_is_z_t_z_and_z_t_g_z(case, rank):
+    """The closed forms never form the |Ω|² Gram, nor Z."""
+    problem, model, layer_mask, size = case
+    z = _tangent_basis(model, problem, rank)
+    u, v = _gram._tangent_directions(model, rank)
+    c, k = (
+        np.asarray(x) for x in _gram._tangent_system(model.layers, problem.mask, layer_mask, u, v)
+    )
+    rows, cols, weight = _gram.observed_entries(problem.mask, size)
+    n = problem.num_observed
+    gram = np.asarray(_gram.gram(model.layers, rows, cols, weight, layer_mask))[:n, :n]
+    np.testing.assert_allclose(c, z.T @ z, rtol=0, atol=1e-14)
+    want = z.T @ gram @ z
+    np.testing.assert_allclose(k, want, rtol=0, atol=1e-13 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("shift", [1e-4, 1.0, 1e3])
+@pytest.mark.parametrize("rank", [1, 2, 5])
+def test_tangent_preconditioner_is_the_woodbury_inverse_of_its_projection(case, shift, rank):
+    """apply(r) = (s·I + JᵀZ(ZᵀZ + δ/s)⁻¹ZᵀJ)⁻¹ r: the Gauss–Newton matrix with J's rows
+    projected onto the observed entries of X's rank-`rank` tangent space (δ: the jitter
+    that keeps the system definite). At full rank (5 = min(5, 6)) Z spans every observed
+    entry: the Woodbury inverse of the whole Gram, to the jitter."""
+    problem, model, layer_mask, size = case
+    state = _gram.build(model, problem.mask, layer_mask, size, shift, "tangent", rank)
+    jac = _dense_jacobian(model, problem, layer_mask)
+    z = _tangent_basis(model, problem, rank)
+    rows, cols, weight = _gram.observed_entries(problem.mask, size)
+    n = problem.num_observed
+    gram = np.asarray(_gram.gram(model.layers, rows, cols, weight, layer_mask))[:n, :n]
+    system = shift * z.T @ z + z.T @ gram @ z
+    jitter = _gram.TANGENT_JITTER * np.max(np.diag(system))
+    projection = z @ np.linalg.solve(z.T @ z + jitter / shift * np.eye(z.shape[1]), z.T)
+    dense = shift * np.eye(jac.shape[1]) + jac.T @ projection @ jac
+    flat, unravel = ravel_pytree(model)
+    r = np.random.default_rng(0).normal(size=flat.shape)
+    got = np.asarray(ravel_pytree(_gram.apply(state, shift, unravel(jnp.asarray(r))))[0])
+    np.testing.assert_allclose(got, np.linalg.solve(dense, r), rtol=1e-9, atol=1e-12)
+    if rank == 5:
+        exact = np.linalg.solve(shift * np.eye(jac.shape[1]) + jac.T @ jac, r)
+        np.testing.assert_allclose(got, exact, rtol=1e-6, atol=1e-9)
+
+
+def test_tangent_directions_drop_singular_values_below_the_gap():
+    """Directions of X whose singular values sit below TANGENT_GAP·σ₁ (the init's residue)
+    are zero columns of U and V: Z spans nothing there."""
+    x = np.diag([10.0, 3.0, 0.5 * _gram.TANGENT_GAP * 10.0, 1e-9])
+    model = gflow.Factorization([jnp.asarray(x)])
+    u, v = (np.asarray(a) for a in _gram._tangent_directions(model, 3))
+    np.testing.assert_allclose(np.abs(u[:, :2]), np.eye(4)[:, :2], atol=1e-15)
+    np.testing.assert_allclose(np.abs(v[:, :2]), np.eye(4)[:, :2], atol=1e-15)
+    assert np.all(u[:, 2] == 0) and np.all(v[:, 2] == 0)
+
+
+def test_auto_takes_the_tangent_factorization_where_its_system_is_small():
+    """`gauss_newton="auto"`: `tangent` from TANGENT_MIN_OBSERVED observed entries where
+    2·rank·(d_out + d_in) ≤ |Ω|; else the Gram's Cholesky factor or inverse, by size."""
+    from gflow.engine import _solve
+
+    auto = gflow.FlowOptions()
+    choose = lambda entries, rank, shape: _solve.gauss_newton_factorization(
+        auto, entries, rank, shape
+    )
+    assert choose(2945, 5, (100, 100)) == "tangent"  # the `scale` problem at d = 100
+    assert choose(11941, 5, (200, 200)) == "tangent"
+    assert choose(704, 5, (50, 50)) == "inverse"  # d = 50: below TANGENT_MIN_OBSERVED
+    assert choose(2945, 8, (100, 100)) == "inverse"  # 2·8·200 > 2,945
+    assert choose(11941, 20, (200, 200)) == "cholesky"
+    assert choose(11941, None, (200, 200)) == "cholesky"
+    forced = gflow.FlowOptions(gauss_newton="inverse")
+    assert _solve.gauss_newton_factorization(forced, 2945, 5, (100, 100)) == "inverse"
+
+
+def test_target_rank_is_the_largest_in_a_batch_and_ignores_unobserved_nans():
+    from gflow.engine._flow import target_rank
+
+    low = gflow.bernoulli(6, 7, 0.5, 2, key=0)
+    high = gflow.bernoulli(6, 7, 0.5, 4, key=1)
+    assert target_rank(low) == 2 and target_rank(gflow.stack([low, high])) == 4
+    target = np.asarray(low.target).copy()
+    mask = np.asarray(low.mask)
+    target[mask == 0] = np.nan
+    assert target_rank(gflow.Problem(np.where(mask == 1, target, np.nan), mask)) >= 1
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +297,12 @@ def test_gauss_newton_tail_lands_on_the_dense_endpoint(cg_case):
     eigh = gflow.flow(problem, init, gauss_newton="eigh")
     np.testing.assert_allclose(
         np.asarray(flow.model.product()), np.asarray(eigh.model.product()), atol=1e-9
+    )
+    # The rank-2 target's tangent space (32 directions for 32 observed entries).
+    tangent = gflow.flow(problem, init, gauss_newton="tangent")
+    assert tangent.work()["stiff tail"]["factorizations"] >= 1
+    np.testing.assert_allclose(
+        np.asarray(flow.model.product()), np.asarray(tangent.model.product()), atol=1e-9
     )
 
 

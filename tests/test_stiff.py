@@ -541,6 +541,46 @@ def test_auto_matches_kvaerno5_reference(d, depth, alpha, density, linear_solver
         assert err <= 1e-6, err
 
 
+@pytest.mark.slow
+def test_tangent_preconditioner_matches_kvaerno5_reference():
+    """The tail preconditioned through the target's tangent space (`gauss_newton="tangent"`,
+    which `auto` takes only from 1,024 observed entries) against the independent reference."""
+    problem = gflow.bernoulli(10, 10, 0.5, 1, key=0)
+    init = gflow.gaussian([10] * 4, 0.2, key=1)
+    reference = gflow.flow(problem, init, solver="kvaerno5", rtol=1e-11)
+    assert reference.status_label == "converged"
+    s = gflow.singular_values(reference.model)
+    top = int(np.sum(s >= 1e-5 * s[0]))
+    for rtol in (1e-11, 1e-10):
+        run = gflow.flow(problem, init, rtol=rtol, linear_solver="cg", gauss_newton="tangent")
+        assert run.status_label == "converged" and int(run.num_linear_iters) > 0
+        err = gflow.endpoint_distance(run, reference, problem, top=top)["singular_values"]
+        assert err <= 1e-6, err
+
+
+@pytest.mark.slow
+def test_auto_takes_the_tangent_preconditioner_at_field_sizes_and_keeps_the_endpoint():
+    """d = 64, |Ω| ≈ 1,230, rank 2: `auto` builds the tangent system (k = 512), and ends
+    where the Gram's explicit inverse does."""
+    from gflow.engine import _solve
+    from gflow.engine._flow import observed_bound, target_rank
+
+    problem = gflow.bernoulli(64, 64, 0.3, 2, key=0)
+    init = gflow.gaussian([64] * 4, 0.1, key=1)
+    entries = observed_bound(problem)
+    chosen = _solve.gauss_newton_factorization(
+        gflow.FlowOptions(), entries, target_rank(problem), problem.shape
+    )
+    assert chosen == "tangent"
+    auto = gflow.flow(problem, init)
+    inverse = gflow.flow(problem, init, gauss_newton="inverse")
+    for run in (auto, inverse):
+        assert run.status_label == "converged" and run.work()["stiff tail"]["factorizations"] > 0
+    np.testing.assert_allclose(
+        gflow.singular_values(auto.model)[:2], gflow.singular_values(inverse.model)[:2], rtol=1e-10
+    )
+
+
 def test_a_loss_clock_stalled_on_a_second_plateau_hands_over_to_physical_time():
     """σ = (3, 0.5) from α = 1e-2 at depth 4: the second component still holds 2.7% of the
     loss, so the loss clock meets its plateau before its handover and stalls there (stiff).

@@ -34,11 +34,12 @@ def _compiled_solver(
     axis = None if in_axes is None else "flows"
 
     observed = observed_bound(problem)
+    rank = target_rank(problem)
 
     def make_fn():
         from ._solve import solve  # diffrax and the solvers: only to trace a program
 
-        kw = dict(batch_axis=axis, observed=observed, defer_tail=defer_tail)
+        kw = dict(batch_axis=axis, observed=observed, defer_tail=defer_tail, target_rank=rank)
         if depths is None:
             fn = lambda p, m: solve(p, m, options, **kw)
         else:
@@ -71,7 +72,7 @@ def _compiled_solver(
         options,
         args,
         make_fn,
-        extra=(in_axes, depths is None, devices, observed, defer_tail),
+        extra=(in_axes, depths is None, devices, observed, rank, defer_tail),
         out_like=out_like,
     )
 
@@ -144,12 +145,15 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
         jax.tree_util.tree_structure(FlowResult.skeleton(init)), leaves
     )
     observed = observed_bound(problem)
+    rank = target_rank(problem)
     axis = None if in_axes is None else "flows"
 
     def make_fn():
         from ._solve import finish_tail
 
-        fn = lambda p, m, h: finish_tail(p, m, h, options, observed=observed, batch_axis=axis)
+        fn = lambda p, m, h: finish_tail(
+            p, m, h, options, observed=observed, batch_axis=axis, target_rank=rank
+        )
         return fn if in_axes is None else jax.vmap(fn, in_axes=(*in_axes, 0), axis_name=axis)
 
     compiled, compile_time = program(
@@ -157,7 +161,7 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
         options,
         (problem, init, start),
         make_fn,
-        extra=(observed, in_axes),
+        extra=(observed, rank, in_axes),
         out_like=FlowResult.skeleton(init),
     )
     return compiled, start, compile_time
@@ -186,6 +190,14 @@ def observed_bound(problem: Problem, multiple: int = 64) -> int:
     counts = mask.reshape(-1, mask.shape[-2] * mask.shape[-1]).sum(axis=1)
     bound = -(-int(counts.max()) // multiple) * multiple
     return min(bound, mask.shape[-2] * mask.shape[-1])
+
+
+def target_rank(problem: Problem) -> int:
+    """The numerical rank of a (batched) problem's target, the largest in a batch (entries
+    that are not finite, which only unobserved ones may be, read as 0)."""
+    target = np.asarray(problem.target)
+    target = np.where(np.isfinite(target), target, 0.0).reshape(-1, *target.shape[-2:])
+    return max(int(np.linalg.matrix_rank(t)) for t in target)
 
 
 def flow_blas_threads(problem, model, options):
