@@ -255,6 +255,20 @@ def test_auto_takes_the_tangent_factorization_where_its_system_is_small():
     assert _solve.gauss_newton_factorization(forced, 2945, 5, (100, 100)) == "inverse"
 
 
+def test_programs_are_keyed_on_the_target_rank_only_where_the_tangent_system_takes_it():
+    """A sweep over target ranks at small sizes shares its programs."""
+    from gflow.engine._flow import tangent_rank
+
+    small = gflow.bernoulli(6, 7, 0.5, 2, key=0)
+    auto, forced = gflow.FlowOptions(), gflow.FlowOptions(gauss_newton="tangent")
+    assert tangent_rank(small, auto, 64) is None
+    assert tangent_rank(small, forced, 64) == 2
+    assert tangent_rank(small, gflow.FlowOptions(preconditioner="spectral"), 64) is None
+    large = gflow.bernoulli(64, 64, 0.3, 3, key=0)
+    assert tangent_rank(large, auto, 1280) == 3
+    assert tangent_rank(large, gflow.FlowOptions(gauss_newton="cholesky"), 1280) is None
+
+
 def test_target_rank_is_the_largest_in_a_batch_and_ignores_unobserved_nans():
     from gflow.engine._flow import target_rank
 

@@ -34,7 +34,7 @@ def _compiled_solver(
     axis = None if in_axes is None else "flows"
 
     observed = observed_bound(problem)
-    rank = target_rank(problem)
+    rank = tangent_rank(problem, options, observed)
 
     def make_fn():
         from ._solve import solve  # diffrax and the solvers: only to trace a program
@@ -145,7 +145,7 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
         jax.tree_util.tree_structure(FlowResult.skeleton(init)), leaves
     )
     observed = observed_bound(problem)
-    rank = target_rank(problem)
+    rank = tangent_rank(problem, options, observed)
     axis = None if in_axes is None else "flows"
 
     def make_fn():
@@ -190,6 +190,21 @@ def observed_bound(problem: Problem, multiple: int = 64) -> int:
     counts = mask.reshape(-1, mask.shape[-2] * mask.shape[-1]).sum(axis=1)
     bound = -(-int(counts.max()) // multiple) * multiple
     return min(bound, mask.shape[-2] * mask.shape[-1])
+
+
+def tangent_rank(problem: Problem, options: FlowOptions, observed: int) -> int | None:
+    """The target's rank where the stiff tail's Gauss–Newton preconditioner takes its
+    `tangent` factorisation (`gauss_newton`, `_solve.gauss_newton_factorization`), else
+    None: programs are keyed on the rank only where it changes them."""
+    from ._solve import _gauss_newton_entries, gauss_newton_factorization
+
+    entries = _gauss_newton_entries(options, observed)
+    if entries is None or options.gauss_newton not in ("auto", "tangent"):
+        return None
+    rank = target_rank(problem)
+    shape = problem.target.shape[-2:]
+    chosen = gauss_newton_factorization(options, entries, rank, shape)
+    return rank if chosen == "tangent" else None
 
 
 def target_rank(problem: Problem) -> int:
