@@ -269,6 +269,13 @@ def test_programs_are_keyed_on_the_target_rank_only_where_the_tangent_system_tak
     assert tangent_rank(large, gflow.FlowOptions(gauss_newton="cholesky"), 1280) is None
 
 
+def test_a_tangent_preconditioner_for_a_zero_target_is_a_clear_error():
+    problem = gflow.Problem(np.zeros((6, 7)), np.ones((6, 7)))
+    init = gflow.gaussian([7, 6, 6], 0.5, key=0)
+    with pytest.raises(ValueError, match="target_rank"):
+        gflow.flow(problem, init, gauss_newton="tangent")
+
+
 def test_target_rank_is_the_largest_in_a_batch_and_ignores_unobserved_nans():
     from gflow.engine._flow import target_rank
 

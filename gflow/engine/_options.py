@@ -125,7 +125,7 @@ class FlowOptions(eqx.Module):
       2·r·(d_out + d_in) ≤ |Ω|, else `cholesky` from 4,096 observed entries, else `inverse`;
       `tangent`: the Gram on the observed entries of the rank-r tangent space of X only, a
       system of r·(d_out + d_in) rows in closed form, cheap enough to rebuild every few
-      steps (the `scale` problem at d = 100: 13.9 s against 28.3 s; d = 200: 73 s against
+      steps (the `scale` problem at d = 100: 15.1 s against 28.3 s; d = 200: 76 s against
       315 s; 2026-12-06, docs/theory.md §5); `inverse`: its inverse at the
       shift of the step that builds it (2–2.5× cheaper to form than `eigh`; the `scale`
       problem at d = 100: 1.35× faster solve, 2026-12-05); `cholesky`: the same matrix as a

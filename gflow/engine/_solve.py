@@ -64,8 +64,8 @@ def solve(
     batch), which the Gauss–Newton preconditioner of the stiff tail needs; without it (or
     with `preconditioner="spectral"`) the tail's CG uses a spectral sketch.
 
-    `target_rank`: the (static) rank of the target, which the Gauss–Newton preconditioner's
-    `tangent` factorisation takes (`_gram`).
+    `target_rank`: the (static) rank of the target where the Gauss–Newton preconditioner
+    takes its `tangent` factorisation (`_gram`; `_flow.tangent_rank`), else None.
 
     `defer_tail`: stop where the stiff tail would begin, with status `PENDING`, so that a
     batch is not held up by its stiffest member; `finish_tail` then runs the tail of such a
@@ -305,7 +305,7 @@ def _solvers(
     if entries is not None:
         factorization = gauss_newton_factorization(options, entries, target_rank, shape)
         if factorization == "tangent" and not target_rank:
-            raise ValueError('gauss_newton="tangent" needs a target of rank ≥ 1')
+            raise ValueError('gauss_newton="tangent" needs the target\'s rank (target_rank ≥ 1)')
         rank = target_rank if factorization == "tangent" else 0
         structured = GaussNewtonPreconditioner(entries, factorization, rank)
     from_previous = entries is not None and entries >= PREVIOUS_START_MIN_OBSERVED
