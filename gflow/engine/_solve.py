@@ -277,8 +277,9 @@ CHOLESKY_MIN_OBSERVED = 4096
 
 # Observed entries from which `gauss_newton="auto"` takes the `tangent` factorisation, where
 # the target's rank r keeps its system small: 2·r·(d_out + d_in) ≤ |Ω|. Below 1,024 entries
-# the Gram itself is small: the `scale` problem at d = 50 (|Ω| = 704, k = 500) took 6.4 s with
-# a tangent build every step against 3.9 s with the Gram's inverse (2026-12-06).
+# the Gram itself is small: the `scale` problem at d = 50 (|Ω| = 704, k = 500) took 3.67 /
+# 3.57 s with it forced against 3.77 / 3.67 s with the Gram's inverse, alternated (7,331
+# against 6,272 CG; 2026-12-06): a tie.
 TANGENT_MIN_OBSERVED = 1024
 
 
