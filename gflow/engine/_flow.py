@@ -196,11 +196,13 @@ def tangent_rank(problem: Problem, options: FlowOptions, observed: int) -> int |
     """The target's rank where the stiff tail's Gauss–Newton preconditioner takes its
     `tangent` factorisation (`gauss_newton`, `_solve.gauss_newton_factorization`), else
     None: programs are keyed on the rank only where it changes them."""
-    from ._solve import _gauss_newton_entries, gauss_newton_factorization
+    from ._solve import TANGENT_MIN_OBSERVED, _gauss_newton_entries, gauss_newton_factorization
 
     entries = _gauss_newton_entries(options, observed)
     if entries is None or options.gauss_newton not in ("auto", "tangent"):
         return None
+    if options.gauss_newton == "auto" and entries < TANGENT_MIN_OBSERVED:
+        return None  # no rank could qualify: spare a sweep's chunks and tails the SVDs
     rank = target_rank(problem)
     shape = problem.target.shape[-2:]
     chosen = gauss_newton_factorization(options, entries, rank, shape)

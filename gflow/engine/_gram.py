@@ -286,12 +286,11 @@ def build(
         # It only regularises ZᵀZ (by δ/s), so the preconditioner stays an exact Woodbury
         # inverse of s·I + J₀ᵀZ(ZᵀZ + δ/s)⁻¹ZᵀJ₀: SPD.
         system = shift * c + k
-        jitter = TANGENT_JITTER * jnp.max(jnp.diagonal(system))
-        values = jnp.full((1,), shift, c.dtype)
-        system = system + jitter * jnp.eye(c.shape[0], dtype=c.dtype)
-        factor = jnp.linalg.cholesky(system, symmetrize_input=False)
         eye = jnp.eye(c.shape[0], dtype=c.dtype)
+        system = system + TANGENT_JITTER * jnp.max(jnp.diagonal(system)) * eye
+        factor = jnp.linalg.cholesky(system, symmetrize_input=False)
         matrix = jax.scipy.linalg.solve_triangular(factor, eye, lower=True)  # L⁻¹
+        values = jnp.full((1,), shift, c.dtype)
         panels = (u, v)
     elif factorization == "eigh":
         g = gram(model.layers, rows, cols, weight, layer_mask)
@@ -352,7 +351,8 @@ def empty(
 
 
 def _tangent_apply(state: GaussNewtonState, ju):
-    """Z (sZᵀZ + ZᵀGZ)⁻¹ Zᵀ ju, with Zᵀ and Z as products with U and V (`_tangent_system`)."""
+    """Z (s₀ZᵀZ + ZᵀGZ + δ)⁻¹ Zᵀ ju = Z L⁻ᵀ(L⁻¹ Zᵀ ju), with Zᵀ and Z as products with U and V
+    (`_tangent_system`)."""
     u, v = state.panels
     d_out, d_in = u.shape[0], v.shape[0]
     r = u.shape[1]
