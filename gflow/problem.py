@@ -23,7 +23,8 @@ class Problem(eqx.Module):
     **Arguments:**
 
     - `target`: the ground-truth matrix, shape `(d_out, d_in)`. Unobserved entries are only
-      used to measure the completion error, never by the flow.
+      used to measure the completion error, never by the flow: where they are unknown (real
+      data), set them to nan.
     - `mask`: a 0/1 matrix of the same shape; 1 marks an observed entry.
 
     **Raises:** `ValueError` for unequal shapes, a non-2D target, non-finite observed targets,
@@ -60,9 +61,14 @@ class Problem(eqx.Module):
     def num_observed(self) -> int:
         return int(np.asarray(self.mask).sum())
 
+    @property
+    def observed_target(self) -> Float[Array, "d_out d_in"]:
+        """M ∘ X*: the target on the observed entries, 0 on the others (which may be nan)."""
+        return jnp.where(self.mask == 1, self.target, 0.0)
+
     def residual(self, x: Float[Array, "d_out d_in"]) -> Float[Array, "d_out d_in"]:
-        """R = M ∘ (X − X*)."""
-        return self.mask * (x - self.target)
+        """R = M ∘ (X − X*), 0 off Ω whatever the target holds there."""
+        return jnp.where(self.mask == 1, x - self.target, 0.0)
 
     def loss(self, x: Float[Array, "d_out d_in"]) -> Float[Array, ""]:
         """½ Σ_Ω (X − X*)²."""

@@ -53,6 +53,35 @@ def test_unobserved_nan_is_allowed():
     gflow.Problem(target, np.eye(2))
 
 
+def test_unknown_unobserved_entries_never_reach_the_flow():
+    """Real data: nan off the mask. Loss, residual and gradient are those of any finite
+    completion of the target (they once read nan: 0·nan); the completion error scores the
+    known unobserved entries (a held-out set) only."""
+    from gflow.model import loss_and_gradient
+
+    known = gflow.bernoulli(6, 5, 0.5, 2, key=0)
+    mask = np.asarray(known.mask)
+    target = np.asarray(known.target)
+    held_out = (mask == 0) & (np.arange(30).reshape(6, 5) % 2 == 0)
+    partial = gflow.Problem(np.where((mask == 1) | held_out, target, np.nan), mask)
+    model = gflow.gaussian([5, 4, 6], 0.7, key=1)
+    x = model.product()
+    np.testing.assert_array_equal(partial.residual(x), known.residual(x))
+    loss, grad = loss_and_gradient(model, partial)
+    loss_known, grad_known = loss_and_gradient(model, known)
+    assert float(loss) == float(loss_known) and np.isfinite(float(loss))
+    for g, g_known in zip(grad.layers, grad_known.layers, strict=True):
+        np.testing.assert_array_equal(g, g_known)
+    scored = gflow.unobserved_error(x, partial)
+    assert scored["count"] == held_out.sum() < (mask == 0).sum()
+    err = (np.asarray(x) - target)[held_out]
+    assert scored["abs"] == pytest.approx(np.linalg.norm(err), rel=1e-14)
+    assert scored["rel"] == pytest.approx(scored["abs"] / np.linalg.norm(target[held_out]))
+    blind = gflow.Problem(np.where(mask == 1, target, np.nan), mask)
+    unknown = gflow.unobserved_error(x, blind)
+    assert unknown["count"] == 0 and math.isnan(unknown["abs"]) and math.isnan(unknown["rel"])
+
+
 def test_load_problem_roundtrip(tmp_path):
     p = gflow.bernoulli(5, 4, 0.5, 1, key=1)
     np.save(tmp_path / "t.npy", np.asarray(p.target))

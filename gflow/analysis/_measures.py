@@ -63,22 +63,28 @@ def nuclear_norm(x) -> float:
 
 
 def unobserved_error(x, problem: Problem) -> dict:
-    """Error on the entries the flow never saw, against the problem's ground truth.
+    """Error on the entries the flow never saw, against the problem's ground truth: those off Ω
+    whose truth is known (finite; a nan target entry is unknown, as in real data with a
+    held-out set).
 
-    Returns `abs` (Frobenius norm of the error off Ω), `rel` (divided by the norm of the
-    truth off Ω; nan if that is 0), `max` (largest absolute error) and `count`.
+    Returns `abs` (Frobenius norm of the error there), `rel` (divided by the norm of the truth
+    there; nan if that is 0), `max` (largest absolute error) and `count` (how many entries);
+    with unobserved entries but none known, the errors are nan.
     """
     x = _matrix(x)
     target = np.asarray(problem.target)
     off = np.asarray(problem.mask) == 0
-    err = (x - target)[off]
-    truth = float(np.linalg.norm(target[off]))
+    known = off & np.isfinite(target)
+    if off.any() and not known.any():
+        return {"abs": float("nan"), "rel": float("nan"), "max": float("nan"), "count": 0}
+    err = (x - target)[known]
+    truth = float(np.linalg.norm(target[known]))
     abs_err = float(np.linalg.norm(err))
     return {
         "abs": abs_err,
         "rel": abs_err / truth if truth > 0 else float("nan"),
         "max": float(np.max(np.abs(err))) if err.size else 0.0,
-        "count": int(off.sum()),
+        "count": int(known.sum()),
     }
 
 

@@ -53,7 +53,7 @@ def gradient_rounding(model: Factorization, problem, layer_mask) -> Factorizatio
     absolute = tuple(jnp.abs(w) for w in model.layers)
     envelope = Factorization(absolute).product()
     rho = jnp.abs(problem.residual(model.product())) + problem.mask * (
-        jnp.abs(problem.target) + 2.0 * envelope
+        jnp.abs(problem.observed_target) + 2.0 * envelope
     )
     _, pullback = jax.vjp(lambda layers: Factorization(layers).product(), absolute)
     (bound,) = pullback(rho.astype(envelope.dtype))

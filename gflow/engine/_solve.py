@@ -367,7 +367,7 @@ def _loss_clock_span(problem, model, options: FlowOptions, depth, loss0, g0):
     initial loss time-scale (L ≥ 3, small α) against that of the fitted target."""
     h0 = loss_time_scale(loss0, tree_dot(g0, g0))
     depth = model.depth if depth is None else depth
-    target_scale = jnp.max(jnp.abs(problem.mask * problem.target))
+    target_scale = jnp.max(jnp.abs(problem.observed_target))
     h_ref = 1.0 / (depth * jnp.maximum(target_scale, 1e-300) ** (2.0 - 2.0 / depth))
     clock = options.clock_in_use
     if options.stop_loss is not None:  # the loss clock to exactly loss(0)·stop_loss
