@@ -80,6 +80,8 @@ def test_unknown_unobserved_entries_never_reach_the_flow():
     blind = gflow.Problem(np.where(mask == 1, target, np.nan), mask)
     unknown = gflow.unobserved_error(x, blind)
     assert unknown["count"] == 0 and math.isnan(unknown["abs"]) and math.isnan(unknown["rel"])
+    assert "unobserved_error" not in gflow.endpoint_quantities(model, blind)
+    assert "unobserved_error" in gflow.endpoint_quantities(model, partial)
 
 
 def test_load_problem_roundtrip(tmp_path):

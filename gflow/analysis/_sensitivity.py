@@ -130,14 +130,17 @@ def perturb(model, eps: float, key):
 
 def endpoint_quantities(model, problem, *, top: int = 5, family=None) -> dict[str, float]:
     """The quantities whose digits `sensitivity` judges: the top singular values, stable rank
-    (and its excess over 1, srank − 1), effective rank, unobserved error, and with
+    (and its excess over 1, srank − 1), effective rank, unobserved error (where some truth off
+    Ω is known), and with
     `family=(n, s)` the family's σ_A, σ_B, σ_C measured from the layers."""
     sigma = np.asarray(singular_values(model))
     out = {f"sigma_{i + 1}": float(sigma[i]) for i in range(min(top, sigma.size))}
     out["stable_rank"] = stable_rank_of(sigma)
     out["stable_rank_excess"] = stable_rank_excess_of(sigma)
     out["effective_rank"] = effective_rank_of(sigma)
-    out["unobserved_error"] = unobserved_error(model, problem)["abs"]
+    error = unobserved_error(model, problem)
+    if not (error["count"] == 0 and math.isnan(error["abs"])):  # else no truth is known
+        out["unobserved_error"] = error["abs"]
     if family is not None:
         n, s = family
         spectrum = family_spectrum(model, n, s)
