@@ -1,5 +1,7 @@
 """The Gauss–Newton (NTK Gram) preconditioner of the stiff tail against dense linear algebra."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import gflow
-from gflow.engine import _gram
+from gflow.engine import _flow, _gram
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +257,9 @@ def test_auto_takes_the_tangent_factorization_where_its_system_is_small():
     assert _solve.gauss_newton_factorization(forced, 2945, 5, (100, 100)) == "inverse"
 
 
-def test_programs_are_keyed_on_the_target_rank_only_where_the_tangent_system_takes_it():
-    """A sweep over target ranks at small sizes shares its programs."""
+def test_programs_are_keyed_on_the_tangent_rank_only_where_the_tangent_system_takes_it():
+    """A sweep over target ranks at small sizes shares its programs; a deferred head, which
+    runs no stiff solver, never takes a rank."""
     from gflow.engine._flow import tangent_rank
 
     small = gflow.bernoulli(6, 7, 0.5, 2, key=0)
@@ -269,11 +272,59 @@ def test_programs_are_keyed_on_the_target_rank_only_where_the_tangent_system_tak
     assert tangent_rank(large, gflow.FlowOptions(gauss_newton="cholesky"), 1280) is None
 
 
+def _head(layers, status):
+    """What `tangent_rank` reads of a deferred head: its models and statuses."""
+    return types.SimpleNamespace(model=gflow.Factorization(layers), status=np.asarray(status))
+
+
+def test_a_tail_takes_the_rank_of_x_where_it_begins_not_the_targets():
+    """Real data: unobserved entries unknown (nan) make the target read as full rank; the
+    tail's rank is X's at the handover (singular values above TANGENT_GAP·σ₁), over the
+    members whose tail is pending."""
+    from gflow.engine._flow import learned_rank, tangent_rank, target_rank
+
+    problem = gflow.bernoulli(64, 64, 0.3, 3, key=0)
+    mask = np.asarray(problem.mask)
+    unknown = gflow.Problem(np.where(mask == 1, np.asarray(problem.target), np.nan), mask)
+    assert target_rank(unknown) == 64
+    auto = gflow.FlowOptions()
+    assert tangent_rank(unknown, auto, 1280) is None  # a whole-flow program: the target's
+    rng = np.random.default_rng(0)
+    q, _ = np.linalg.qr(rng.standard_normal((64, 64)))
+    sigma = np.r_[[9.0, 4.0, 2.0], np.full(61, 0.5 * _gram.TANGENT_GAP * 9.0)]
+    x = q @ np.diag(sigma) @ q.T
+    layers = [np.eye(64), x, np.eye(64)]  # W₁, W₂, W₃: X = W₃W₂W₁
+    pending = _head(layers, gflow.Status.PENDING)
+    assert learned_rank(pending.model) == 3
+    assert tangent_rank(unknown, auto, 1280, pending) == 3
+    assert tangent_rank(problem, auto, 1280, pending) == 3
+    # small singular values above the gap but well apart from the learned ones stay out
+    spread = np.r_[[9.0, 8.0, 7.0, 0.4, 0.35, 0.3], sigma[6:]]
+    assert learned_rank(gflow.Factorization([np.eye(64), q @ np.diag(spread) @ q.T])) == 3
+    assert learned_rank(gflow.Factorization([np.eye(64), np.diag(np.r_[2.0, np.zeros(63)])])) == 1
+    assert learned_rank(gflow.Factorization([np.zeros((64, 64))])) == 0
+    # a batch: the largest rank among pending members; others, and non-finite X, do not count
+    x6 = q @ np.diag(np.r_[np.full(6, 9.0), sigma[6:]]) @ q.T
+    nan = np.full((64, 64), np.nan)
+    batch = [np.stack([w, w, w]) for w in layers]
+    batch[1] = np.stack([x, x6, nan])
+    statuses = [gflow.Status.PENDING, gflow.Status.CONVERGED, gflow.Status.PENDING]
+    assert tangent_rank(unknown, auto, 1280, _head(batch, statuses)) == 3
+    statuses[1] = gflow.Status.PENDING
+    assert tangent_rank(unknown, auto, 1536, _head(batch, statuses)) == 6
+    # 2·r·(d_out + d_in) > |Ω|: the Gram's own factorisation
+    assert tangent_rank(unknown, auto, 1280, _head(batch, statuses)) is None
+
+
 def test_a_tangent_preconditioner_for_a_zero_target_is_a_clear_error():
+    """A whole-flow program (samples saved along the flow) takes the target's rank."""
     problem = gflow.Problem(np.zeros((6, 7)), np.ones((6, 7)))
     init = gflow.gaussian([7, 6, 6], 0.5, key=0)
-    with pytest.raises(ValueError, match="target_rank"):
-        gflow.flow(problem, init, gauss_newton="tangent")
+    with pytest.raises(ValueError, match="the target is zero"):
+        gflow.flow(problem, init, gauss_newton="tangent", save=4)
+    with pytest.raises(ValueError, match="X where the stiff tail begins is zero"):
+        head = _head([np.zeros((6, 7)), np.zeros((6, 6))], gflow.Status.PENDING)
+        _flow.tangent_rank(problem, gflow.FlowOptions(gauss_newton="tangent"), 42, head)
 
 
 def test_target_rank_is_the_largest_in_a_batch_and_ignores_unobserved_nans():
@@ -319,12 +370,19 @@ def test_gauss_newton_tail_lands_on_the_dense_endpoint(cg_case):
     np.testing.assert_allclose(
         np.asarray(flow.model.product()), np.asarray(eigh.model.product()), atol=1e-9
     )
-    # The rank-2 target's tangent space (32 directions for 32 observed entries).
+    # The tangent space of X where the tail begins (rank 2, as the target's: 32 directions
+    # for 32 observed entries).
     tangent = gflow.flow(problem, init, gauss_newton="tangent")
     assert tangent.work()["stiff tail"]["factorizations"] >= 1
     np.testing.assert_allclose(
         np.asarray(flow.model.product()), np.asarray(tangent.model.product()), atol=1e-9
     )
+    # Unobserved entries unknown (nan): the same flow, to the last bit.
+    mask = np.asarray(problem.mask)
+    unknown = gflow.Problem(np.where(mask == 1, np.asarray(problem.target), np.nan), mask)
+    blind = gflow.flow(unknown, init, gauss_newton="tangent")
+    np.testing.assert_array_equal(np.asarray(blind.model.product()), tangent.model.product())
+    assert blind.work() == tangent.work()
 
 
 def test_work_table_adds_up(cg_case, tail_stages):

@@ -561,17 +561,18 @@ def test_tangent_preconditioner_matches_kvaerno5_reference():
 @pytest.mark.slow
 def test_auto_takes_the_tangent_preconditioner_at_field_sizes_and_keeps_the_endpoint():
     """d = 64, |Ω| ≈ 1,230, rank 2: `auto` builds the tangent system (k = 512), and ends
-    where the Gram's explicit inverse does."""
+    where the Gram's explicit inverse does; with the unobserved entries unknown (nan), as in
+    real data, it takes the same tail (X's rank, not the target's) to the last bit."""
     from gflow.engine import _solve
-    from gflow.engine._flow import observed_bound, target_rank
+    from gflow.engine._flow import _compiled_solver, learned_rank, observed_bound
 
     problem = gflow.bernoulli(64, 64, 0.3, 2, key=0)
     init = gflow.gaussian([64] * 4, 0.1, key=1)
     entries = observed_bound(problem)
-    chosen = _solve.gauss_newton_factorization(
-        gflow.FlowOptions(), entries, target_rank(problem), problem.shape
-    )
-    assert chosen == "tangent"
+    head, _ = _compiled_solver(problem, init, gflow.FlowOptions(), defer_tail=True)
+    rank = learned_rank(head(problem, init).model)
+    chosen = _solve.gauss_newton_factorization(gflow.FlowOptions(), entries, rank, problem.shape)
+    assert rank == 2 and chosen == "tangent"
     auto = gflow.flow(problem, init)
     inverse = gflow.flow(problem, init, gauss_newton="inverse")
     for run in (auto, inverse):
@@ -579,6 +580,11 @@ def test_auto_takes_the_tangent_preconditioner_at_field_sizes_and_keeps_the_endp
     np.testing.assert_allclose(
         gflow.singular_values(auto.model)[:2], gflow.singular_values(inverse.model)[:2], rtol=1e-10
     )
+    mask = np.asarray(problem.mask)
+    unknown = gflow.Problem(np.where(mask == 1, np.asarray(problem.target), np.nan), mask)
+    blind = gflow.flow(unknown, init)
+    np.testing.assert_array_equal(np.asarray(blind.model.product()), auto.model.product())
+    assert blind.work() == auto.work()
 
 
 def test_a_loss_clock_stalled_on_a_second_plateau_hands_over_to_physical_time():

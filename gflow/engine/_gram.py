@@ -33,7 +33,7 @@ point θ₀ (J₀ = J(θ₀)) and factorised once, in one of two ways:
   the `scale` problem at d = 100 that exactness saves a tenth of the CG iterations (most come
   from the residual term and the layers moving since the build): 1.35× slower in all.
 
-- `tangent` (`flow`'s default from 1,024 observed entries where the target's rank r keeps
+- `tangent` (`flow`'s default from 1,024 observed entries where X's rank r keeps
   2·r·(d_out + d_in) ≤ |Ω|): the Gram approximated on the observed entries of X's rank-r
   tangent space, {U A + B Vᵀ} (U, V: X's top-r singular vectors at θ₀), never forming the
   |Ω|² Gram. Near the end of a flow toward a rank-r completion the Gram's spectrum is
@@ -423,6 +423,8 @@ class GaussNewtonPreconditioner(eqx.Module):
         return max(self.size // 8, 16)
 
     def init(self, y, args) -> GaussNewtonState:
+        if self.factorization == "tangent" and self.rank < 1:
+            raise ValueError("the `tangent` factorisation needs its tangent space's rank (≥ 1)")
         return empty(y["model"], self.size, self.factorization, self.rank)
 
     def build(self, y, args, shift) -> GaussNewtonState:

@@ -121,7 +121,9 @@ class FlowOptions(eqx.Module):
     - `preconditioner`: of that CG: `gauss-newton` (default: the Woodbury solve through the
       |Ω| × |Ω| NTK Gram, docs/theory.md §5), `spectral` (a randomized rank-64 sketch of the
       Hessian) or `none`; `gauss_newton`: how its Gram is factorised: `auto` (default):
-      `tangent` from 1,024 observed entries where the target's rank r has
+      `tangent` from 1,024 observed entries where the rank r X has learned when the tail
+      begins (the largest gap in its spectrum above 1e-2·σ₁; the target's rank when samples
+      are saved) has
       2·r·(d_out + d_in) ≤ |Ω|, else `cholesky` from 4,096 observed entries, else `inverse`;
       `tangent`: the Gram on the observed entries of the rank-r tangent space of X only, a
       system of r·(d_out + d_in) rows in closed form, cheap enough to rebuild every few

@@ -48,7 +48,7 @@ def solve(
     batch_axis=None,
     observed: int | None = None,
     defer_tail: bool = False,
-    target_rank: int | None = None,
+    tangent_rank: int | None = None,
 ) -> FlowResult:
     """The flow engine: pure, jittable, vmappable. Use `flow` for validation and timing.
 
@@ -64,8 +64,9 @@ def solve(
     batch), which the Gauss–Newton preconditioner of the stiff tail needs; without it (or
     with `preconditioner="spectral"`) the tail's CG uses a spectral sketch.
 
-    `target_rank`: the (static) rank of the target where the Gauss–Newton preconditioner
-    takes its `tangent` factorisation (`_gram`; `_flow.tangent_rank`), else None.
+    `tangent_rank`: the (static) rank of the tangent space where the Gauss–Newton
+    preconditioner takes its `tangent` factorisation (`_gram`; `_flow.tangent_rank`), else
+    None.
 
     `defer_tail`: stop where the stiff tail would begin, with status `PENDING`, so that a
     batch is not held up by its stiffest member; `finish_tail` then runs the tail of such a
@@ -73,7 +74,7 @@ def solve(
     dtype = model.layers[0].dtype
     layer_mask = None if depth is None else (jnp.arange(model.depth) < depth).astype(dtype)
     setup = _setup(problem, model, options, layer_mask, observed)
-    solvers = _solvers(options, setup, batch_axis, observed, target_rank, problem.shape)
+    solvers = _solvers(options, setup, batch_axis, observed, tangent_rank, problem.shape)
     loss0, g0 = masked_loss_and_gradient(model, problem, layer_mask)
     use_loss_clock, tau_switch = _loss_clock_span(problem, model, options, depth, loss0, g0)
 
@@ -150,7 +151,7 @@ def finish_tail(
     options: FlowOptions,
     observed: int | None = None,
     batch_axis=None,
-    target_rank: int | None = None,
+    tangent_rank: int | None = None,
 ) -> FlowResult:
     """The stiff tail of a solve run with `defer_tail=True` (`head`, from the initial `model`),
     as that solve would have run it: the whole flow's result. A head whose status is not
@@ -159,7 +160,7 @@ def finish_tail(
     frozen identity layers first). `batch_axis`: as in `solve`, for the tails of a batch
     finished together under `jax.vmap`."""
     setup = _setup(problem, model, options, None, observed)
-    solver = _solvers(options, setup, batch_axis, observed, target_rank, problem.shape)["stiff"]
+    solver = _solvers(options, setup, batch_axis, observed, tangent_rank, problem.shape)["stiff"]
     y = {"model": head.model}
     if options.certificates:
         y["energy"] = head.energy
@@ -297,17 +298,15 @@ def gauss_newton_factorization(
 
 
 def _solvers(
-    options: FlowOptions, setup: Setup, batch_axis, observed, target_rank=None, shape=None
+    options: FlowOptions, setup: Setup, batch_axis, observed, tangent_rank=None, shape=None
 ) -> dict:
     """The solver of each phase. In physical time the Jacobian is −∇²loss (symmetric) and the
     energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖²."""
     entries = _gauss_newton_entries(options, observed)
     structured = None
     if entries is not None:
-        factorization = gauss_newton_factorization(options, entries, target_rank, shape)
-        if factorization == "tangent" and not target_rank:
-            raise ValueError('gauss_newton="tangent" needs the target\'s rank (target_rank ≥ 1)')
-        rank = target_rank if factorization == "tangent" else 0
+        factorization = gauss_newton_factorization(options, entries, tangent_rank, shape)
+        rank = (tangent_rank or 0) if factorization == "tangent" else 0
         structured = GaussNewtonPreconditioner(entries, factorization, rank)
     from_previous = entries is not None and entries >= PREVIOUS_START_MIN_OBSERVED
     stiff = Rodas4(
