@@ -499,7 +499,11 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
       cost).
     - `batch_axis`: under `jax.vmap(..., axis_name=batch_axis)`, the batch rebuilds the
       preconditioner together (a real branch, not a per-member select that would build it
-      at every step).
+      at every step), and falls back to dense steps together. Only members still stepping
+      decide either (`solver_state["active"]`, which `_solver_loop.integrate_solver`
+      sets): under vmap a finished member's step is computed and thrown away, and a member
+      that never reached the tail (a zero-length span, h = 0) has a failing CG and a
+      pending first build at every step.
     - `stage_start`: where each stage's CG starts: the Galerkin projection (`galerkin_start`)
       of its right-hand side onto a span of known solutions, or zero (`zero`). `stages`
       (default): the step's earlier stages (free: their images are known); `previous`: also
@@ -580,12 +584,16 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
     def _falls_back(self, size) -> bool:
         return self.linear_solver == "auto" and size <= self.fallback_max
 
+    def _any_member(self, flag, solver_state) -> jax.Array:
+        """`flag`, or under vmap whether it holds for any member still stepping."""
+        if self.batch_axis is None:
+            return flag
+        flag = flag & solver_state["active"]
+        return jax.lax.psum(flag.astype(jnp.int32), self.batch_axis) > 0
+
     def _holds_dense(self, solver_state) -> jax.Array:
         """Whether this step stays dense after a fallback (for the whole batch under vmap)."""
-        holding = solver_state["dense_hold"] > 0
-        if self.batch_axis is not None:
-            holding = jax.lax.psum(holding.astype(jnp.int32), self.batch_axis) > 0
-        return holding
+        return self._any_member(solver_state["dense_hold"] > 0, solver_state)
 
     def _cg_iteration_cap(self, size) -> int:
         """CG iterations a stage may spend: with a dense fallback, about one dense step's
@@ -604,9 +612,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         rebuilt = jnp.asarray(0, jnp.int32)
         carried = {}
         if "structured" in solver_state:
-            rebuild = solver_state["rebuild"]
-            if self.batch_axis is not None:
-                rebuild = jax.lax.psum(rebuild.astype(jnp.int32), self.batch_axis) > 0
+            rebuild = self._any_member(solver_state["rebuild"], solver_state)
             if "dense_hold" in solver_state:
                 # Holding dense, CG does not run: the rebuild waits for the first CG step.
                 rebuild = rebuild & ~self._holds_dense(solver_state)
@@ -670,6 +676,8 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         # The linear-solver work so far: CG iterations (Hessian-vector products; 0 when dense)
         # and factorisations (dense Cholesky/LU, or preconditioner builds).
         state = {"iters": jnp.asarray(0, jnp.int32), "factorizations": jnp.asarray(0, jnp.int32)}
+        if self.batch_axis is not None:
+            state["active"] = jnp.asarray(True)  # still stepping (`batch_axis`)
         size = flat.shape[0]
         if self._uses_cg(size) and self.preconditioner is not None:
             state["structured"] = self.preconditioner.init(y0, args)
@@ -772,9 +780,6 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             else:
                 # CG capped at about a dense factorisation's cost; where it fails, the step is
                 # solved densely, and the next `fallback_hold` steps stay dense.
-                shared = lambda p: p
-                if self.batch_axis is not None:
-                    shared = lambda p: jax.lax.psum(p.astype(jnp.int32), self.batch_axis) > 0
                 hold = solver_state["dense_hold"]
                 use_dense = self._holds_dense(solver_state)
                 # Each branch traced once (compile time): CG unless holding dense, then dense
@@ -783,7 +788,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                     lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(lambda: stages(cg_solve))
                 )
                 ks, kps, ok, iters = jax.lax.cond(use_dense, skipped, lambda: stages(cg_solve))
-                failed = shared(~ok & ~use_dense)
+                failed = self._any_member(~ok & ~use_dense, solver_state)
                 dense_now = use_dense | failed
                 ks, kps, ok, _ = jax.lax.cond(
                     dense_now, lambda: stages(dense_solver()), lambda: (ks, kps, ok, iters)

@@ -9,7 +9,9 @@ boolean stopping test, so the same steps and endpoint), but takes the leaves the
 `kept_on_rejection` from every step as they are (`Rodas4` says why that is safe for its
 preconditioner; its work counters then count rejected steps too), and evaluates the stopping
 test only at accepted points (at a rejected one y has not moved, and the test had not fired
-there).
+there). Under vmap every member's step is computed while any member runs; a solver whose state
+holds `active` (`Rodas4` under a batch axis) is told there whether its member is still
+running, so that its batch-wide decisions are the running members' alone.
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ def integrate_solver(
 
     def body(carry):
         y, tprev, tnext = carry["y"], carry["tprev"], carry["tnext"]
+        state = carry["solver_state"]
+        if isinstance(state, dict) and "active" in state:
+            state = {**state, "active": running(carry)}
         y1, y_error, _, new_state, solver_result = solver.step(
-            term, tprev, tnext, y, args, carry["solver_state"], False
+            term, tprev, tnext, y, args, state, False
         )
         y_error = jax.tree_util.tree_map(lambda e: jnp.where(jnp.isnan(e), jnp.inf, e), y_error)
         keep, tprev, tnext, _, controller_state, controller_result = controller.adapt_step_size(
