@@ -627,7 +627,10 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
             )[0]
             rebuilt = rebuild.astype(jnp.int32)
         elif "u" in solver_state:
-            rebuild = solver_state["age"] >= self.preconditioner_refresh
+            # Shared by the batch: a per-member predicate would sketch at every step.
+            rebuild = self._any_member(
+                solver_state["age"] >= self.preconditioner_refresh, solver_state
+            )
             rebuilt = rebuild.astype(jnp.int32)
             u, lam = jax.lax.cond(
                 rebuild,
