@@ -316,12 +316,16 @@ def test_a_tail_takes_the_rank_of_x_where_it_begins_not_the_targets():
     assert tangent_rank(unknown, auto, 1280, _head(batch, statuses)) is None
 
 
-def test_a_tangent_preconditioner_for_a_zero_target_is_a_clear_error():
-    """A whole-flow program (samples saved along the flow) takes the target's rank."""
+def test_a_forced_tangent_preconditioner_that_cannot_fit_is_a_clear_error():
+    """A whole-flow program (samples saved along the flow) takes the target's rank: zero, or
+    so large (unknown entries off the mask) that the system outgrows the Gram, it refuses."""
     problem = gflow.Problem(np.zeros((6, 7)), np.ones((6, 7)))
     init = gflow.gaussian([7, 6, 6], 0.5, key=0)
     with pytest.raises(ValueError, match="the target is zero"):
         gflow.flow(problem, init, gauss_newton="tangent", save=4)
+    unknown = gflow.Problem(np.where(np.eye(6, 7) == 1, 1.0, np.nan), np.eye(6, 7))
+    with pytest.raises(ValueError, match="the target has rank 6, so its tangent system"):
+        gflow.flow(unknown, init, gauss_newton="tangent", save=4)
     with pytest.raises(ValueError, match="X where the stiff tail begins is zero"):
         head = _head([np.zeros((6, 7)), np.zeros((6, 6))], gflow.Status.PENDING)
         _flow.tangent_rank(problem, gflow.FlowOptions(gauss_newton="tangent"), 42, head)

@@ -216,11 +216,19 @@ def tangent_rank(
     else:
         pending = np.asarray(head.status) == Status.PENDING
         rank, source = learned_rank(head.model, pending), "X where the stiff tail begins"
-    if rank == 0 and options.gauss_newton == "tangent":
-        raise ValueError(
-            f'gauss_newton="tangent" needs a tangent space of rank ≥ 1, but {source} is zero'
-        )
     shape = problem.target.shape[-2:]
+    if options.gauss_newton == "tangent":
+        if rank == 0:
+            raise ValueError(
+                f'gauss_newton="tangent" needs a tangent space of rank ≥ 1, but {source} is zero'
+            )
+        if rank * (shape[0] + shape[1]) > entries:
+            raise ValueError(
+                f'gauss_newton="tangent": {source} has rank {rank}, so its tangent system '
+                f"({rank * (shape[0] + shape[1])} rows) would be larger than the Gram of the "
+                f"{entries} observed entries it stands for (unknown entries off the mask, as "
+                'nan, count as 0 in the target); use gauss_newton="auto"'
+            )
     chosen = gauss_newton_factorization(options, entries, rank, shape)
     return rank if chosen == "tangent" else None
 
