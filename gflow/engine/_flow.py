@@ -223,11 +223,11 @@ def tangent_rank(
                 f'gauss_newton="tangent" needs a tangent space of rank ≥ 1, but {source} is zero'
             )
         if rank * (shape[0] + shape[1]) > entries:
+            hint = " (unknown entries off the mask, nan, read as 0)" if head is None else ""
             raise ValueError(
-                f'gauss_newton="tangent": {source} has rank {rank}, so its tangent system '
-                f"({rank * (shape[0] + shape[1])} rows) would be larger than the Gram of the "
-                f"{entries} observed entries it stands for (unknown entries off the mask, as "
-                'nan, count as 0 in the target); use gauss_newton="auto"'
+                f'gauss_newton="tangent": {source} has rank {rank}{hint}, so its tangent system '
+                f"({rank * (shape[0] + shape[1])} rows) would be larger than the Gram it "
+                f'stands for ({entries} rows); use gauss_newton="auto"'
             )
     chosen = gauss_newton_factorization(options, entries, rank, shape)
     return rank if chosen == "tangent" else None
