@@ -57,7 +57,9 @@ def _add_problem_options(p: argparse.ArgumentParser) -> None:
     ):
         default = DEFAULTS[flag[2:].replace("-", "_")]
         g.add_argument(flag, type=kind, default=default, help=help_text)
-    g.add_argument("--target", help="target matrix .npy (--problem file)")
+    g.add_argument(
+        "--target", help="target matrix .npy (--problem file; nan where unknown off the mask)"
+    )
     g.add_argument("--mask", help="0/1 mask .npy (--problem file)")
     g = p.add_argument_group("initialisation")
     g.add_argument("--depth", type=int, default=DEFAULTS["depth"], help="number of layers L")

@@ -399,12 +399,16 @@ def test_batch_members_are_independent_and_equal_single_runs():
     )
 
 
-@pytest.mark.parametrize("depth, alpha, seed", [(2, 0.3, 1), (3, 0.5, 2)])
-def test_cli_file_inputs_match_independent_reference(tmp_path, capsys, depth, alpha, seed):
+@pytest.mark.parametrize("depth, alpha, seed, unknown", [(2, 0.3, 1, False), (3, 0.5, 2, True)])
+def test_cli_file_inputs_match_independent_reference(tmp_path, capsys, depth, alpha, seed, unknown):
+    """`unknown`: the target file holds nan off the mask, as real data does."""
     d = 6
     problem = gflow.bernoulli(d, d, 0.6, 1, key=seed)
     init = gflow.gaussian([d] * (depth + 1), alpha, key=seed + 10)
-    np.save(tmp_path / "target.npy", np.asarray(problem.target))
+    target = np.asarray(problem.target)
+    np.save(
+        tmp_path / "target.npy", np.where(problem.mask == 1, target, np.nan) if unknown else target
+    )
     np.save(tmp_path / "mask.npy", np.asarray(problem.mask))
     np.save(tmp_path / "init.npy", np.stack([np.asarray(w) for w in init.layers]))
     argv = ["run", "--problem", "file", "--target", str(tmp_path / "target.npy")]
