@@ -103,3 +103,16 @@ def test_live_programs_are_bounded_least_recently_used_first(monkeypatch):
     first = gflow.flow(gflow.diagonal(2), gflow.identity_family(2, 2, 0.1, 4.0))
     assert first.compile_cache_hit is not None  # evicted: loaded (or compiled) again
     np.testing.assert_array_equal(first.model.product(), runs[0].model.product())
+
+
+def test_stored_programs_are_keyed_on_the_whole_package_source():
+    """An edit to the residual (`problem.py`) or the products (`model.py`) must not load a
+    program traced before it: these were once outside the hash (only `engine/` was in it)."""
+    from pathlib import Path
+
+    from gflow.engine._compile import source_files
+
+    package = Path(gflow.__file__).resolve().parent
+    files = set(source_files())
+    for name in ("problem.py", "model.py", "engine/_solve.py", "sweeps/_run.py"):
+        assert package / name in files

@@ -213,12 +213,19 @@ def _program_path(key, args) -> Path | None:
     return Path(directory) / "gflow-programs" / f"{digest}.jaxexport"
 
 
+def source_files() -> list[Path]:
+    """The source a stored program may have traced: the whole package, not the engine alone
+    (the loss and residual live in `problem.py`, the products and gradients in `model.py`)."""
+    package = Path(__file__).resolve().parent.parent
+    return sorted(package.rglob("*.py"))
+
+
 def _source_hash() -> str:
     if "source" not in _SOURCE:
         import hashlib
 
         h = hashlib.sha256()
-        for file in sorted(Path(__file__).parent.rglob("*.py")):
+        for file in source_files():
             h.update(file.read_bytes())
         _SOURCE["source"] = h.hexdigest()
     return _SOURCE["source"]
