@@ -116,3 +116,11 @@ def test_stored_programs_are_keyed_on_the_whole_package_source():
     files = set(source_files())
     for name in ("problem.py", "model.py", "engine/_solve.py", "sweeps/_run.py"):
         assert package / name in files
+    # and on the versions of the libraries it traces (an upgrade of diffrax alone, too)
+    from importlib import metadata
+
+    from gflow.engine._compile import _traced_library_versions
+
+    versions = dict(_traced_library_versions())
+    assert versions["diffrax"] == metadata.version("diffrax")
+    assert versions["equinox"] == metadata.version("equinox")

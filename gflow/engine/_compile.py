@@ -145,8 +145,9 @@ def compile_timed(fn, *args, kind: str, key=None, out_like=None):
     (`jax.export`) and the next process compiles it from there without tracing `fn` again,
     which is most of the time of a start-up; XLA's compilation of it then comes from JAX's own
     persistent cache. The file's name hashes the key with everything else a program depends on
-    (argument shapes, gflow's own source, the JAX version, the device, XLA's flags), so an edit
-    to gflow or an upgrade never loads a stale program; an unreadable file is retraced.
+    (argument shapes, gflow's own source, the versions of JAX and of the libraries a program
+    traces, the device, XLA's flags), so an edit to gflow or an upgrade never loads a stale
+    program; an unreadable file is retraced.
     Programs are stored flat (arrays in, arrays out): Equinox modules are not registered for
     `jax.export`'s serialisation of pytrees.
     """
@@ -201,6 +202,7 @@ def _program_path(key, args) -> Path | None:
         str(jax.tree_util.tree_structure(args)),
         [(x.shape, str(x.dtype)) for x in jax.tree_util.tree_leaves(args)],
         _source_hash(),
+        _traced_library_versions(),
         jax.__version__,
         jaxlib.__version__,
         device.platform,
@@ -218,6 +220,24 @@ def source_files() -> list[Path]:
     (the loss and residual live in `problem.py`, the products and gradients in `model.py`)."""
     package = Path(__file__).resolve().parent.parent
     return sorted(package.rglob("*.py"))
+
+
+# Libraries whose code a stored program may have traced (jax and jaxlib are keyed apart).
+TRACED_LIBRARIES = ("diffrax", "equinox", "lineax", "optimistix", "optax")
+
+
+def _traced_library_versions() -> tuple:
+    if "libraries" not in _SOURCE:
+        from importlib import metadata
+
+        versions = []
+        for name in TRACED_LIBRARIES:
+            try:
+                versions.append((name, metadata.version(name)))
+            except metadata.PackageNotFoundError:
+                versions.append((name, None))
+        _SOURCE["libraries"] = tuple(versions)
+    return _SOURCE["libraries"]
 
 
 def _source_hash() -> str:
