@@ -243,10 +243,7 @@ def learned_rank(model: Factorization, members=True) -> int:
     largest over `members` (a boolean per member; members whose X is not finite count 0)."""
     from ._gram import TANGENT_GAP
 
-    layers = [np.asarray(w) for w in model.layers]
-    x = layers[0]
-    for w in layers[1:]:
-        x = w @ x
+    x = np.asarray(model.product())
     x = x.reshape(-1, *x.shape[-2:])[np.broadcast_to(members, x.shape[:-2]).reshape(-1)]
     ranks = [0]
     for member in x:

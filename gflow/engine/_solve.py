@@ -74,7 +74,7 @@ def solve(
     dtype = model.layers[0].dtype
     layer_mask = None if depth is None else (jnp.arange(model.depth) < depth).astype(dtype)
     setup = _setup(problem, model, options, layer_mask, observed)
-    solvers = _solvers(options, setup, batch_axis, observed, tangent_rank, problem.shape)
+    solvers = _solvers(options, setup, batch_axis, observed, tangent_rank)
     loss0, g0 = masked_loss_and_gradient(model, problem, layer_mask)
     use_loss_clock, tau_switch = _loss_clock_span(problem, model, options, depth, loss0, g0)
 
@@ -160,7 +160,7 @@ def finish_tail(
     frozen identity layers first). `batch_axis`: as in `solve`, for the tails of a batch
     finished together under `jax.vmap`."""
     setup = _setup(problem, model, options, None, observed)
-    solver = _solvers(options, setup, batch_axis, observed, tangent_rank, problem.shape)["stiff"]
+    solver = _solvers(options, setup, batch_axis, observed, tangent_rank)["stiff"]
     y = {"model": head.model}
     if options.certificates:
         y["energy"] = head.energy
@@ -277,10 +277,10 @@ CHOLESKY_MIN_OBSERVED = 4096
 
 
 # Observed entries from which `gauss_newton="auto"` takes the `tangent` factorisation, where
-# the target's rank r keeps its system small: 2·r·(d_out + d_in) ≤ |Ω|. Below 1,024 entries
-# the Gram itself is small: the `scale` problem at d = 50 (|Ω| = 704, k = 500) took 3.67 /
-# 3.57 s with it forced against 3.77 / 3.67 s with the Gram's inverse, alternated (7,331
-# against 6,272 CG; 2026-12-06): a tie.
+# the rank r (`_flow.tangent_rank`) keeps its system small: 2·r·(d_out + d_in) ≤ |Ω|. Below
+# 1,024 entries the Gram itself is small: the `scale` problem at d = 50 (|Ω| = 704, k = 500)
+# took 3.67 / 3.57 s with it forced against 3.77 / 3.67 s with the Gram's inverse, alternated
+# (7,331 against 6,272 CG; 2026-12-06): a tie.
 TANGENT_MIN_OBSERVED = 1024
 
 
@@ -288,8 +288,8 @@ def gauss_newton_factorization(
     options: FlowOptions, entries: int, rank: int | None = None, shape=None
 ) -> str:
     """How the tail's Gauss–Newton preconditioner of `entries` observed entries of a `shape`
-    matrix whose target has rank `rank` is factorised: `options.gauss_newton`, with `auto`
-    resolved by these sizes."""
+    matrix of rank `rank` (`_flow.tangent_rank`: X's where the tail begins, or the target's)
+    is factorised: `options.gauss_newton`, with `auto` resolved by these sizes."""
     if options.gauss_newton != "auto":
         return options.gauss_newton
     if rank and entries >= TANGENT_MIN_OBSERVED and 2 * rank * (shape[0] + shape[1]) <= entries:
@@ -297,16 +297,18 @@ def gauss_newton_factorization(
     return "cholesky" if entries >= CHOLESKY_MIN_OBSERVED else "inverse"
 
 
-def _solvers(
-    options: FlowOptions, setup: Setup, batch_axis, observed, tangent_rank=None, shape=None
-) -> dict:
+def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed, tangent_rank=None) -> dict:
     """The solver of each phase. In physical time the Jacobian is −∇²loss (symmetric) and the
-    energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖²."""
+    energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖².
+    A `tangent_rank` means the `tangent` factorisation, decided on the host
+    (`_flow.tangent_rank`); without one, `gauss_newton_factorization` decides by size alone."""
     entries = _gauss_newton_entries(options, observed)
     structured = None
     if entries is not None:
-        factorization = gauss_newton_factorization(options, entries, tangent_rank, shape)
-        rank = (tangent_rank or 0) if factorization == "tangent" else 0
+        if tangent_rank:
+            factorization, rank = "tangent", tangent_rank
+        else:
+            factorization, rank = gauss_newton_factorization(options, entries), 0
         structured = GaussNewtonPreconditioner(entries, factorization, rank)
     from_previous = entries is not None and entries >= PREVIOUS_START_MIN_OBSERVED
     stiff = Rodas4(
