@@ -12,6 +12,7 @@ Clearing it is deleting the directory.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import OrderedDict
@@ -226,32 +227,27 @@ def source_files() -> list[Path]:
 TRACED_LIBRARIES = ("diffrax", "equinox", "lineax", "optimistix", "optax")
 
 
+@functools.cache
 def _traced_library_versions() -> tuple:
-    if "libraries" not in _SOURCE:
-        from importlib import metadata
+    from importlib import metadata
 
-        versions = []
-        for name in TRACED_LIBRARIES:
-            try:
-                versions.append((name, metadata.version(name)))
-            except metadata.PackageNotFoundError:
-                versions.append((name, None))
-        _SOURCE["libraries"] = tuple(versions)
-    return _SOURCE["libraries"]
+    versions = []
+    for name in TRACED_LIBRARIES:
+        try:
+            versions.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            versions.append((name, None))
+    return tuple(versions)
 
 
+@functools.cache
 def _source_hash() -> str:
-    if "source" not in _SOURCE:
-        import hashlib
+    import hashlib
 
-        h = hashlib.sha256()
-        for file in source_files():
-            h.update(file.read_bytes())
-        _SOURCE["source"] = h.hexdigest()
-    return _SOURCE["source"]
-
-
-_SOURCE: dict = {}
+    h = hashlib.sha256()
+    for file in source_files():
+        h.update(file.read_bytes())
+    return h.hexdigest()
 
 
 def _export(flat_fn, leaves):
