@@ -288,7 +288,7 @@ def test_a_tail_takes_the_rank_of_x_where_it_begins_not_the_targets():
     unknown = gflow.Problem(np.where(mask == 1, np.asarray(problem.target), np.nan), mask)
     assert target_rank(unknown) == 64
     auto = gflow.FlowOptions()
-    assert tangent_rank(unknown, auto, 1280) is None  # a whole-flow program: the target's
+    assert tangent_rank(unknown, auto, 1280) is None  # no head (solver="rodas4"): the target's
     rng = np.random.default_rng(0)
     q, _ = np.linalg.qr(rng.standard_normal((64, 64)))
     sigma = np.r_[[9.0, 4.0, 2.0], np.full(61, 0.5 * _gram.TANGENT_GAP * 9.0)]
@@ -317,17 +317,18 @@ def test_a_tail_takes_the_rank_of_x_where_it_begins_not_the_targets():
 
 
 def test_a_forced_tangent_preconditioner_that_cannot_fit_is_a_clear_error():
-    """A whole-flow program (samples saved along the flow) takes the target's rank: zero, or
-    so large (unknown entries off the mask) that the system outgrows the Gram, it refuses."""
+    """A program that runs the Rosenbrock method from the start takes the target's rank: zero,
+    or so large (unknown entries off the mask) that the system outgrows the Gram, it refuses;
+    so does a tail program at X's rank zero."""
     problem = gflow.Problem(np.zeros((6, 7)), np.ones((6, 7)))
     init = gflow.gaussian([7, 6, 6], 0.5, key=0)
     with pytest.raises(ValueError, match="the target is zero"):
-        gflow.flow(problem, init, gauss_newton="tangent", save=4)
+        gflow.flow(problem, init, gauss_newton="tangent", solver="rodas4")
     unknown = gflow.Problem(np.where(np.eye(6, 7) == 1, 1.0, np.nan), np.eye(6, 7))
     with pytest.raises(
         ValueError, match="the target has rank 6 .unknown entries off the mask, nan, read as 0., so"
     ):
-        gflow.flow(unknown, init, gauss_newton="tangent", save=4)
+        gflow.flow(unknown, init, gauss_newton="tangent", solver="rodas4")
     with pytest.raises(ValueError, match="X where the stiff tail begins is zero"):
         head = _head([np.zeros((6, 7)), np.zeros((6, 6))], gflow.Status.PENDING)
         _flow.tangent_rank(problem, gflow.FlowOptions(gauss_newton="tangent"), 42, head)

@@ -213,6 +213,56 @@ def test_a_flow_compiles_its_stiff_tail_only_once_it_reaches_it(stiff_case):
     assert batch.member(0).work() == batch.member(1).work()
 
 
+def test_a_saved_flow_samples_its_stiff_tail_in_a_second_program(stiff_case):
+    """Samples along the flow no longer hold the stiff tail in the flow's one program: the
+    tail program, compiled only once the flow reaches it, goes on from the head's samples.
+    The samples and the endpoint are that one program's; a batch that finishes its tails
+    apart (it stopped with an error here before) gives each member its own flow's."""
+    from gflow.engine._flow import _compiled_solver
+
+    problem, init, auto = stiff_case
+    options = gflow.FlowOptions(save=6, save_layers=True)
+    tails = gflow.compile_count("flow-tail")
+    saved = gflow.flow(problem, init, options)
+    assert saved.status_label == "converged" and saved.end_phase == gflow.Phase.STIFF_TAIL
+    assert gflow.compile_count("flow-tail") - tails == 1
+    for phase, work in auto.work().items():  # samples change no step (only how evals count)
+        for column in ("steps", "rejected_steps"):
+            assert saved.work()[phase][column] == work[column], (phase, column)
+    one_program, _ = _compiled_solver(problem, init, options)
+    inside = one_program(problem, init)
+    head, _ = _compiled_solver(problem, init, options, defer_tail=True)  # the flow's own
+    head = head(problem, init).trajectory.compress()
+    samples = saved.trajectory.compress()
+    assert len(samples.t) > len(head.t) and samples.t[-1] > head.t[-1]  # the tail's samples
+    np.testing.assert_array_equal(samples.t[: len(head.t)], head.t)
+    for a, b in zip(
+        jax.tree_util.tree_leaves(samples),
+        jax.tree_util.tree_leaves(inside.trajectory.compress()),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(saved.model.product(), inside.model.product(), rtol=1e-12)
+    easy = gflow.gaussian([8] * 4, 0.5, key=3)
+    batch = gflow.flow_batch(problem, gflow.stack([init, easy]), options, tails="apart")
+    assert gflow.status_labels(np.asarray(batch.status)).tolist() == ["converged"] * 2
+    member = batch.member(0).trajectory
+    assert member.t.shape == saved.trajectory.t.shape
+    np.testing.assert_array_equal(np.isfinite(member.t), np.isfinite(saved.trajectory.t))
+    # the vmapped head ends its explicit steps ~1e-5 (relative) off the flow alone's time
+    # (rounding, on a stability-limited phase), so its tail's samples lie at other times
+    np.testing.assert_allclose(member.compress().t, samples.t, rtol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(batch.member(0).model.product()), np.asarray(saved.model.product()), atol=1e-9
+    )
+    # a flow that converges before its tail: its tail's samples are there, invalid
+    assert np.all(np.isinf(np.asarray(batch.member(1).trajectory.t)[-6:]))
+    alone = gflow.flow(problem, easy, options)
+    assert alone.end_phase != gflow.Phase.STIFF_TAIL
+    assert alone.trajectory.t.shape == inside.trajectory.t.shape
+    assert np.all(np.isinf(np.asarray(alone.trajectory.t)[-6:]))
+
+
 def test_a_deferred_stiff_tail_finished_alone_is_the_same_flow(stiff_case):
     """A sweep's batch stops its stiff members where the tail begins (status pending) and
     finishes each alone, unpadded: the same flow as `flow`, and the batch's easy member is

@@ -233,6 +233,10 @@ def test_spec_validation():
         gflow.SweepSpec(axes={"seed": [0]}, sensitivity=-1)
     with pytest.raises(ValueError, match="sensitivity_eps must be finite and > 0"):
         gflow.SweepSpec(axes={"seed": [0]}, sensitivity=2, sensitivity_eps=0.0)
+    # a sweep keeps endpoints: samples would only be computed (and crashed its tails apart)
+    for saving in ({"save": 4}, {"save_ts": (0.0, 1.0)}):
+        with pytest.raises(ValueError, match="not its trajectory: options save and save_ts"):
+            gflow.SweepSpec(axes={"seed": [0]}, options=gflow.FlowOptions(**saving))
 
 
 @pytest.mark.parametrize(

@@ -64,10 +64,8 @@ def _compiled_solver(
             check_vma=False,
         )
 
-    # Programs with samples have no fixed result structure to rebuild from a file; programs
-    # spread over devices are kept by JAX's own cache only.
-    samples = options.save or options.save_ts is not None
-    out_like = None if samples or devices is not None else FlowResult.skeleton(model)
+    # programs spread over devices are kept by JAX's own cache only
+    out_like = None if devices is not None else result_like(model, options)
     return program(
         "flow",
         options,
@@ -104,7 +102,7 @@ class PendingTails:
 
     def __init__(self, problem, model, head: FlowResult, options: FlowOptions, depths=None):
         self.head = jax.tree_util.tree_map(np.asarray, head)
-        self.depth = model.depth
+        self.options, self.depth = options, model.depth
         self.pending = np.flatnonzero(self.head.status == Status.PENDING)
         self.calls, self.rows = [], 0
         if self.pending.size == 0:
@@ -129,8 +127,8 @@ class PendingTails:
 
     def assemble(self, results) -> FlowResult:
         if self.pending.size == 0:
-            return self.head
-        members = list(self.members)
+            return without_tail_samples(self.head, self.options)
+        members = [without_tail_samples(member, self.options) for member in self.members]
         for i, full in zip(self.pending, results, strict=True):
             members[i] = eqx.tree_at(lambda r: r.model, full, pad_depth(full.model, self.depth))
         return stack(members)
@@ -141,9 +139,9 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
     solve's result) is `head`, or with `in_axes` (the problem's and the model's, as the head's
     program was batched) of a batch finished together: (program, the head as the program
     takes it, its `CompileTime`)."""
-    leaves = jax.tree_util.tree_leaves(head)
+    like = result_like(init, options)
     start = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(FlowResult.skeleton(init)), leaves
+        jax.tree_util.tree_structure(like), jax.tree_util.tree_leaves(head)
     )
     observed = observed_bound(problem)
     rank = tangent_rank(problem, options, observed, head)
@@ -163,9 +161,25 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
         (problem, init, start),
         make_fn,
         extra=(observed, rank, in_axes),
-        out_like=FlowResult.skeleton(init),
+        out_like=like,
     )
     return compiled, start, compile_time
+
+
+def without_tail_samples(head: FlowResult, options: FlowOptions) -> FlowResult:
+    """The whole flow's result of a head whose stiff tail did not run: its trajectory has the
+    tail's samples too, all invalid (as the one program with the tail inside gives them), so
+    that its shape does not depend on whether a flow reached its tail."""
+    if head.trajectory is None:
+        return head
+    rows = len(options.save_ts) if options.save_ts is not None else options.save
+    return eqx.tree_at(lambda r: r.trajectory, head, head.trajectory.followed_by_unrun(rows))
+
+
+def result_like(model: Factorization, options: FlowOptions) -> FlowResult:
+    """The structure of the result a solve of `model` with `options` returns."""
+    samples = bool(options.save) or options.save_ts is not None
+    return FlowResult.skeleton(model, samples, samples and options.save_layers)
 
 
 def _run(compiled, problem, model, options, in_axes=None, lazy=False):
@@ -175,8 +189,10 @@ def _run(compiled, problem, model, options, in_axes=None, lazy=False):
     start = time.perf_counter()
     result = jax.block_until_ready(compiled(problem, model))
     wall = time.perf_counter() - start
-    if not lazy or not np.any(np.asarray(result.status) == Status.PENDING):
+    if not lazy:
         return result, wall, ALREADY_COMPILED
+    if not np.any(np.asarray(result.status) == Status.PENDING):
+        return without_tail_samples(result, options), wall, ALREADY_COMPILED
     tail, head, tail_compile = _tail_program(problem, model, result, options, in_axes)
     start = time.perf_counter()
     result = jax.block_until_ready(tail(problem, model, head))
@@ -202,8 +218,9 @@ def tangent_rank(
 
     A tail program goes on from `head` (a `defer_tail=True` solve's result, batched or not):
     it takes the rank of X where its pending members' tails begin (`learned_rank`), which a
-    real data set's target (unknown, nan, off Ω) cannot give. A whole-flow program has to know
-    the rank before it runs: it takes the target's (`target_rank`)."""
+    real data set's target (unknown, nan, off Ω) cannot give. A program that runs the stiff
+    solver from the start (`solver="rodas4"`, a sweep's `tails="batch"`) has to know the
+    rank before it runs: it takes the target's (`target_rank`)."""
     from ._solve import TANGENT_MIN_OBSERVED, _gauss_newton_entries, gauss_newton_factorization
 
     entries = _gauss_newton_entries(options, observed)
@@ -287,9 +304,9 @@ def flow(
 
     **Returns:** a `FlowResult` with the endpoint model, a `Status`, solver statistics and the
     wall time of the solve alone (`wall_time_s`) and of compiling it (`compile_time_s`, 0 when
-    a compiled program for the same shapes and options was reused). With `solver="auto"` and
-    nothing saved along the way, the stiff tail is a second program, compiled only when the
-    flow reaches it: a flow that converges before it compiles in about half the time.
+    a compiled program for the same shapes and options was reused). With `solver="auto"`, the
+    stiff tail is a second program, compiled only when the flow reaches it (~45% of a whole
+    flow's compile time), which goes on from where the first stopped, samples included.
 
     **Raises:** `ValueError` for a model that does not fit the problem or bad options. A
     diverging flow does not raise: its status is `Status.DIVERGED`.
@@ -311,19 +328,12 @@ def flow(
         raise ValueError(
             f"problem dtype {problem.target.dtype} differs from model dtype {model.layers[0].dtype}"
         )
-    lazy = lazy_tail(options)
+    lazy = options.stiff_tail
     compiled, compile_time = _compiled_solver(problem, model, options, defer_tail=lazy)
     with flow_blas_threads(problem, model, options):
         result, wall, tail_compile = _run(compiled, problem, model, options, lazy=lazy)
     both = compile_time + tail_compile
     return result.timed(wall, both.seconds, both.cache_hit)
-
-
-def lazy_tail(options: FlowOptions) -> bool:
-    """Whether `flow` and `flow_batch` run the stiff tail as a second program, compiled only
-    when a flow reaches it (it is ~45% of a flow program's compile time). Samples along the
-    flow need the one program that holds them all."""
-    return options.stiff_tail and not options.save and options.save_ts is None
 
 
 def pad_depth(model: Factorization, depth: int) -> Factorization:
@@ -381,7 +391,7 @@ def flow_batch(
         )
     in_axes = (0 if batched_problem else None, 0)
     apart = tails == "apart" and options.stiff_tail
-    lazy = not apart and lazy_tail(options)
+    lazy = not apart and options.stiff_tail
     compiled, compile_time = _compiled_solver(
         problem, model, options, in_axes, defer_tail=apart or lazy
     )

@@ -155,10 +155,11 @@ def finish_tail(
 ) -> FlowResult:
     """The stiff tail of a solve run with `defer_tail=True` (`head`, from the initial `model`),
     as that solve would have run it: the whole flow's result. A head whose status is not
-    `PENDING` is returned as it is (the branch costs it nothing). `model` and `head` are
-    unpadded: a depth-padded solve's tail runs at its true depth (`finish_tails` strips the
-    frozen identity layers first). `batch_axis`: as in `solve`, for the tails of a batch
-    finished together under `jax.vmap`."""
+    `PENDING` is returned as it is (the branch costs it nothing). The tail's samples (where
+    `options` saves them) follow the head's. `model` and `head` are unpadded: a depth-padded
+    solve's tail runs at its true depth (`finish_tails` strips the frozen identity layers
+    first). `batch_axis`: as in `solve`, for the tails of a batch finished together under
+    `jax.vmap`."""
     setup = _setup(problem, model, options, None, observed)
     solver = _solvers(options, setup, batch_axis, observed, tangent_rank)["stiff"]
     y = {"model": head.model}
@@ -171,9 +172,13 @@ def finish_tail(
     row = jnp.where(handover, _work_row(tail.stats), 0)
     phase_work = head.phase_work.at[Phase.STIFF_TAIL].add(row)
     accepted = jnp.where(handover, tail.stats.num_accepted_steps, 0)
-    return _assemble(
-        problem, options, head.loss_init, phase_work, head.num_accepted_steps + accepted, end, None
-    )
+    trajectory = head.trajectory
+    if trajectory is not None:
+        samples = tail.samples | {"t": jnp.where(handover, tail.samples["t"], jnp.inf)}
+        part = Trajectory(samples["t"], samples["loss"], samples["sv"], samples.get("layers"))
+        trajectory = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), trajectory, part)
+    accepted = head.num_accepted_steps + accepted
+    return _assemble(problem, options, head.loss_init, phase_work, accepted, end, trajectory)
 
 
 class _Ending:

@@ -142,6 +142,11 @@ class SweepSpec:
             raise ValueError(f"unknown depth_mode {self.depth_mode!r}; choose from {DEPTH_MODES}")
         if self.tails not in TAIL_MODES:
             raise ValueError(f"unknown tails {self.tails!r}; choose from {TAIL_MODES}")
+        if self.options.save or self.options.save_ts is not None:
+            raise ValueError(
+                "a sweep stores each flow's endpoint, not its trajectory: options save and "
+                "save_ts are for flow and flow_batch"
+            )
         if not (isinstance(self.chunk_size, int) and self.chunk_size >= 1):
             raise ValueError("chunk_size must be a positive integer")
         if not (isinstance(self.sensitivity, int) and self.sensitivity >= 0):
