@@ -419,7 +419,7 @@ def test_batched_gauss_newton_tail_equals_single_flows(cg_case):
     easy = gflow.gaussian([8] * 5, 0.6, key=4)
     other = gflow.bernoulli(8, 8, 0.3, 2, key=5)  # another mask, another count
     problems = gflow.stack([problem, other])
-    batch = gflow.flow_batch(problems, gflow.stack([init, easy]))
+    batch = gflow.flow_batch(problems, gflow.stack([init, easy]), tails="batch")
     single_other = gflow.flow(other, easy)
     members = (batch.member(0), batch.member(1))
     for member, single in zip(members, (flow, single_other), strict=True):

@@ -99,7 +99,7 @@ def test_batches_with_tails_apart_and_batched_descent_match_one_by_one():
     problem = pm.seed_problem(SMALL, 1)
     inits = [pm.initial_model(SMALL, 2, a, "gaussian", 1) for a in (0.1, 0.01)]
     batch = gflow.flow_batch(problem, gflow.stack(inits), tails="apart")
-    together = gflow.flow_batch(problem, gflow.stack(inits))
+    together = gflow.flow_batch(problem, gflow.stack(inits), tails="batch")
     for i, init in enumerate(inits):
         alone = gflow.flow(problem, init)
         assert batch.member(i).status_label == "converged"

@@ -165,7 +165,7 @@ def test_batch_with_one_stiff_member_equals_single_flows(stiff_case):
     """The stiff phase runs for a batch when any member needs it, and only that member moves."""
     problem, init, auto = stiff_case
     easy = gflow.gaussian([8] * 4, 0.5, key=3)
-    batch = gflow.flow_batch(problem, gflow.stack([init, easy]))
+    batch = gflow.flow_batch(problem, gflow.stack([init, easy]), tails="batch")
     single_easy = gflow.flow(problem, easy)
     assert "stiff tail" not in single_easy.work()  # finished in the explicit phase
     for member, single in zip((batch.member(0), batch.member(1)), (auto, single_easy), strict=True):
@@ -205,12 +205,22 @@ def test_a_flow_compiles_its_stiff_tail_only_once_it_reaches_it(stiff_case):
     np.testing.assert_allclose(
         stiff.model.product(), inside.model.product(), rtol=1e-12, atol=1e-13
     )
-    batch = gflow.flow_batch(problem, gflow.stack([init, init]), options)
+    batch = gflow.flow_batch(problem, gflow.stack([init, init]), options, tails="batch")
     assert gflow.compile_count("flow-tail") - tails == 2  # the batch's own tail program
     np.testing.assert_allclose(
         np.asarray(batch.member(1).model.product()), np.asarray(inside.model.product()), atol=1e-9
     )
     assert batch.member(0).work() == batch.member(1).work()
+    heads = gflow.compile_count("flow")
+    apart = gflow.flow_batch(problem, gflow.stack([init, init]), options)  # the default
+    # the batch's head program again, and each member's tail in the flow's own tail program
+    assert gflow.compile_count("flow") == heads and gflow.compile_count("flow-tail") - tails == 2
+    for member in (apart.member(0), apart.member(1)):
+        assert member.end_phase == gflow.Phase.STIFF_TAIL
+        assert abs(int(member.num_steps) - int(stiff.num_steps)) <= 0.01 * int(stiff.num_steps)
+        np.testing.assert_allclose(
+            np.asarray(member.model.product()), np.asarray(stiff.model.product()), atol=1e-9
+        )
 
 
 def test_a_saved_flow_samples_its_stiff_tail_in_a_second_program(stiff_case):

@@ -86,10 +86,7 @@ def finish_tails(problem, model, head: FlowResult, options: FlowOptions, depths=
     The tails run `threads` at a time (default: the CPU cores this process may use): a tail
     at a sweep's sizes is a sequence of small factorisations that keeps one core busy, so
     tails side by side use the others (measured in benchmarks/README, `scale`)."""
-    tails = PendingTails(problem, model, head, options, depths)
-    with blas_threads_for(tails.rows, side_by_side=threads_for(len(tails.calls), threads)):
-        results = run_concurrently(tails.calls, threads)
-    return tails.assemble(results)
+    return PendingTails(problem, model, head, options, depths).finish(threads)
 
 
 class PendingTails:
@@ -98,13 +95,13 @@ class PendingTails:
     pending member, each returning that member's whole flow; compiled here, in the calling
     thread, so that threads never compile the same program), and `assemble(results)`, the
     batch's result from their results in the order of `calls`. `rows`: the largest matrix
-    they factorise (`factorised_rows`)."""
+    they factorise (`factorised_rows`); `compile_time`: their programs' (`CompileTime`)."""
 
     def __init__(self, problem, model, head: FlowResult, options: FlowOptions, depths=None):
         self.head = jax.tree_util.tree_map(np.asarray, head)
         self.options, self.depth = options, model.depth
         self.pending = np.flatnonzero(self.head.status == Status.PENDING)
-        self.calls, self.rows = [], 0
+        self.calls, self.rows, self.compile_time = [], 0, ALREADY_COMPILED
         if self.pending.size == 0:
             return
         self.members = [self.head.member(i) for i in range(self.head.status.shape[0])]
@@ -117,13 +114,19 @@ class PendingTails:
             # the head as the tail program takes it: unpadded, with a result's own structure
             unpadded = Factorization(self.members[i].model.layers[:depth])
             head_i = eqx.tree_at(lambda r: r.model, self.members[i], unpadded)
-            compiled, start, _ = _tail_program(problem_i, init, head_i, options)
+            compiled, start, compile_time = _tail_program(problem_i, init, head_i, options)
+            self.compile_time += compile_time
             self.calls.append(
                 lambda compiled=compiled, args=(problem_i, init, start): jax.tree_util.tree_map(
                     np.asarray, compiled(*args)
                 )
             )
             self.rows = max(self.rows, factorised_rows(init, options, observed_bound(problem_i)))
+
+    def finish(self, threads=None) -> FlowResult:
+        """Run the calls, `threads` at a time (`finish_tails`), and assemble the batch."""
+        with blas_threads_for(self.rows, side_by_side=threads_for(len(self.calls), threads)):
+            return self.assemble(run_concurrently(self.calls, threads))
 
     def assemble(self, results) -> FlowResult:
         if self.pending.size == 0:
@@ -357,7 +360,7 @@ def flow_batch(
     model: Factorization,
     options: FlowOptions | None = None,
     *,
-    tails: str = "batch",
+    tails: str = "apart",
     **kwargs,
 ) -> FlowResult:
     """Integrate a batch of flows in one compiled, vmapped program.
@@ -368,12 +371,14 @@ def flow_batch(
     member never stops the others. Under `vmap` a batch costs about (slowest member's steps) ×
     (batch size): group members of similar flow length.
 
-    `tails`: `batch` (default) runs the stiff tails of `solver="auto"` inside the batch (as
-    in `flow`, a second program compiled only when a member reaches its tail; both programs'
-    times are counted); `apart` finishes each member that reaches its tail alone after the
-    batch (as sweeps do), so the batch costs the sum of its members' tails, not its stiffest
-    tail times its size. Same endpoints either way. `wall_time_s` then covers the tails, and
-    `compile_time_s` the batch's program only.
+    `tails`: `apart` (default, as in sweeps) finishes each member that reaches the stiff
+    tail of `solver="auto"` alone after the batch, side by side on the cores, so that the
+    batch costs the sum of its members' tails, not its stiffest tail times its size; `batch`
+    runs the tails inside the batch, vmapped (as in `flow`, a second program compiled only
+    when a member reaches its tail). The same flows either way (endpoints to the tolerance);
+    apart was faster on every batch measured, similar members too (benchmarks/README,
+    2026-12-06: eight d = 8 flows 6.8 s against 17.2 s, two d = 50 flows 5.4 against 9.5 s).
+    `wall_time_s` and `compile_time_s` cover the tails' programs too.
     """
     if tails not in ("batch", "apart"):
         raise ValueError(f"unknown tails {tails!r}; choose from ('batch', 'apart')")
@@ -398,8 +403,10 @@ def flow_batch(
     with flow_blas_threads(problem, model, options):
         result, wall, tail_compile = _run(compiled, problem, model, options, in_axes, lazy)
     if apart:
+        tails = PendingTails(problem, model, result, options)  # compiles their programs
         start = time.perf_counter()
-        result = finish_tails(problem, model, result, options)
+        result = tails.finish()
         wall += time.perf_counter() - start
+        tail_compile = tails.compile_time
     both = compile_time + tail_compile
     return result.timed(wall, both.seconds, both.cache_hit)
