@@ -403,10 +403,10 @@ def flow_batch(
     with flow_blas_threads(problem, model, options):
         result, wall, tail_compile = _run(compiled, problem, model, options, in_axes, lazy)
     if apart:
-        tails = PendingTails(problem, model, result, options)  # compiles their programs
+        pending = PendingTails(problem, model, result, options)  # compiles their programs
         start = time.perf_counter()
-        result = tails.finish()
+        result = pending.finish()
         wall += time.perf_counter() - start
-        tail_compile = tails.compile_time
+        tail_compile = pending.compile_time
     both = compile_time + tail_compile
     return result.timed(wall, both.seconds, both.cache_hit)
