@@ -221,13 +221,19 @@ def descend(
         dataclasses.replace(options, lr=1.0),
         (problem, model, lr),
         lambda: lambda p, m, lr: descend_solve(p, m, options, lr),
-        out_like=None if options.save_every else FlowResult.skeleton(model),
+        out_like=_result_like(model, options),
         remember=isinstance(options.optimizer, str),  # an optax object has no stable identity
     )
     start = time.perf_counter()
     result = compiled(problem, model, jnp.asarray(options.lr, model.layers[0].dtype))
     jax.block_until_ready(result)
     return result.timed(time.perf_counter() - start, compile_time.seconds, compile_time.cache_hit)
+
+
+def _result_like(model, options: DescentOptions) -> FlowResult:
+    """The structure of the result a descent of `model` with `options` returns."""
+    samples = options.save_every > 0
+    return FlowResult.skeleton(model, samples, samples and options.save_layers)
 
 
 def descend_batch(
@@ -253,7 +259,7 @@ def descend_batch(
         (problem, model, lr),
         lambda: jax.vmap(lambda p, m, r: descend_solve(p, m, options, r), in_axes=in_axes),
         extra=(in_axes,),
-        out_like=None if options.save_every else FlowResult.skeleton(model),
+        out_like=_result_like(model, options),
         remember=isinstance(options.optimizer, str),
     )
     start = time.perf_counter()

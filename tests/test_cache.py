@@ -130,3 +130,31 @@ def test_stored_programs_are_keyed_on_the_whole_package_source():
     versions = dict(_traced_library_versions())
     assert versions["diffrax"] == metadata.version("diffrax")
     assert versions["equinox"] == metadata.version("equinox")
+
+
+def test_a_descent_that_saves_samples_is_stored_too(tmp_path):
+    """A descent with `save_every` runs from its stored program in the next process (it was
+    traced in every process: its result's structure was unknown) and gets the same samples.
+    (A flow with samples runs diffrax's `diffeqsolve`, whose host callbacks `jax.export`
+    refuses: it is traced again, and only XLA's compilation comes from the cache.)"""
+    code = (
+        "import json, gflow\n"
+        "p, m = gflow.diagonal(3), gflow.identity_family(3, 2, 0.1, 4.0)\n"
+        "d = gflow.descend(p, m, lr=0.1, max_steps=500, save_every=50, save_layers=True)\n"
+        "print(json.dumps([d.trajectory.loss.tolist(), d.trajectory.singular_values.tolist()]))\n"
+    )
+    env = dict(os.environ, GFLOW_CACHE_DIR=str(tmp_path))
+    env.pop("GFLOW_NO_CACHE", None)
+
+    def run():
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    first = run()
+    (stored,) = (tmp_path / "gflow-programs").glob("*.jaxexport")
+    written = stored.stat().st_mtime_ns
+    assert run() == first
+    assert stored.stat().st_mtime_ns == written  # loaded, not traced and written again
