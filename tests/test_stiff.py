@@ -179,7 +179,7 @@ def test_batch_with_one_stiff_member_equals_single_flows(stiff_case):
         )
 
 
-def test_a_flow_compiles_its_stiff_tail_only_once_it_reaches_it(stiff_case):
+def test_a_flow_compiles_its_stiff_tail_only_once_it_reaches_it(stiff_case, monkeypatch):
     """`flow` and `flow_batch` run the stiff tail as a second program, compiled only when a
     flow reaches it; the flow is the one the single program with the tail inside
     integrates."""
@@ -212,7 +212,17 @@ def test_a_flow_compiles_its_stiff_tail_only_once_it_reaches_it(stiff_case):
     )
     assert batch.member(0).work() == batch.member(1).work()
     heads = gflow.compile_count("flow")
+    from gflow.engine import _compile, _flow
+
+    tail_program = _flow._tail_program  # the tails' compile time is counted (1,000 s here)
+
+    def slow(*args, **kwargs):
+        compiled, start, _ = tail_program(*args, **kwargs)
+        return compiled, start, _compile.CompileTime(1000.0, False)
+
+    monkeypatch.setattr(_flow, "_tail_program", slow)
     apart = gflow.flow_batch(problem, gflow.stack([init, init]), options)  # the default
+    assert apart.compile_time_s >= 2000.0 and apart.compile_cache_hit is False
     # the batch's head program again, and each member's tail in the flow's own tail program
     assert gflow.compile_count("flow") == heads and gflow.compile_count("flow-tail") - tails == 2
     for member in (apart.member(0), apart.member(1)):
