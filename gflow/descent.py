@@ -232,8 +232,7 @@ def descend(
 
 def _result_like(model, options: DescentOptions) -> FlowResult:
     """The structure of the result a descent of `model` with `options` returns."""
-    samples = options.save_every > 0
-    return FlowResult.skeleton(model, samples, samples and options.save_layers)
+    return FlowResult.skeleton(model, options.save_every > 0, options.save_layers)
 
 
 def descend_batch(

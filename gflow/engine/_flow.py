@@ -99,7 +99,7 @@ class PendingTails:
 
     def __init__(self, problem, model, head: FlowResult, options: FlowOptions, depths=None):
         self.head = jax.tree_util.tree_map(np.asarray, head)
-        self.options, self.depth = options, model.depth
+        self.depth = model.depth
         self.pending = np.flatnonzero(self.head.status == Status.PENDING)
         self.calls, self.rows, self.compile_time = [], 0, ALREADY_COMPILED
         if self.pending.size == 0:
@@ -130,8 +130,8 @@ class PendingTails:
 
     def assemble(self, results) -> FlowResult:
         if self.pending.size == 0:
-            return without_tail_samples(self.head, self.options)
-        members = [without_tail_samples(member, self.options) for member in self.members]
+            return self.head
+        members = list(self.members)
         for i, full in zip(self.pending, results, strict=True):
             members[i] = eqx.tree_at(lambda r: r.model, full, pad_depth(full.model, self.depth))
         return stack(members)
@@ -169,20 +169,10 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
     return compiled, start, compile_time
 
 
-def without_tail_samples(head: FlowResult, options: FlowOptions) -> FlowResult:
-    """The whole flow's result of a head whose stiff tail did not run: its trajectory has the
-    tail's samples too, all invalid (as the one program with the tail inside gives them), so
-    that its shape does not depend on whether a flow reached its tail."""
-    if head.trajectory is None:
-        return head
-    rows = len(options.save_ts) if options.save_ts is not None else options.save
-    return eqx.tree_at(lambda r: r.trajectory, head, head.trajectory.followed_by_unrun(rows))
-
-
 def result_like(model: Factorization, options: FlowOptions) -> FlowResult:
     """The structure of the result a solve of `model` with `options` returns."""
     samples = bool(options.save) or options.save_ts is not None
-    return FlowResult.skeleton(model, samples, samples and options.save_layers)
+    return FlowResult.skeleton(model, samples, options.save_layers)
 
 
 def _run(compiled, problem, model, options, in_axes=None, lazy=False):
@@ -192,10 +182,8 @@ def _run(compiled, problem, model, options, in_axes=None, lazy=False):
     start = time.perf_counter()
     result = jax.block_until_ready(compiled(problem, model))
     wall = time.perf_counter() - start
-    if not lazy:
+    if not lazy or not np.any(np.asarray(result.status) == Status.PENDING):
         return result, wall, ALREADY_COMPILED
-    if not np.any(np.asarray(result.status) == Status.PENDING):
-        return without_tail_samples(result, options), wall, ALREADY_COMPILED
     tail, head, tail_compile = _tail_program(problem, model, result, options, in_axes)
     start = time.perf_counter()
     result = jax.block_until_ready(tail(problem, model, head))

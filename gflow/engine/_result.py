@@ -131,26 +131,6 @@ class Trajectory(eqx.Module):
             layers,
         )
 
-    def followed_by_unrun(self, rows: int) -> Trajectory:
-        """This trajectory followed by `rows` invalid samples: those of a phase that did not
-        run (batched trajectories too: the sample axis is the last before the values')."""
-        axis = jnp.ndim(self.t) - 1
-
-        def pad(x, fill):
-            shape = list(jnp.shape(x))
-            shape[axis] = rows
-            return jnp.concatenate([x, jnp.full(shape, fill, jnp.result_type(x))], axis=axis)
-
-        layers = self.layers
-        if layers is not None:
-            layers = Factorization([pad(w, 0.0) for w in layers.layers])
-        return Trajectory(
-            pad(self.t, jnp.inf),
-            pad(self.loss, jnp.nan),
-            pad(self.singular_values, jnp.nan),
-            layers,
-        )
-
 
 class FlowResult(eqx.Module):
     """The outcome of `flow` (or `descend`).
@@ -225,7 +205,7 @@ class FlowResult(eqx.Module):
     def skeleton(cls, model: Factorization, samples: bool = False, layers: bool = False):
         """A result with `model`'s structure: the pytree structure of what a solve returns
         (its leaves are placeholders), with a trajectory where it saves `samples` (holding the
-        layers too with `layers`)."""
+        layers too with `layers`; without samples, `layers` saves nothing)."""
         zero = np.zeros(())
         trajectory = None
         if samples:

@@ -140,7 +140,8 @@ def solve(
             runs.append(tail)
     trajectory = None
     if options.save or options.save_ts is not None:
-        trajectory = _trajectory(runs, use_loss_clock, finished, handover, n1)
+        deferred = options.stiff_tail and defer_tail
+        trajectory = _trajectory(runs, use_loss_clock, finished, handover, n1, deferred)
     return _result(problem, options, loss0, runs, end, handover, trajectory, solvers)
 
 
@@ -156,10 +157,10 @@ def finish_tail(
     """The stiff tail of a solve run with `defer_tail=True` (`head`, from the initial `model`),
     as that solve would have run it: the whole flow's result. A head whose status is not
     `PENDING` is returned as it is (the branch costs it nothing). The tail's samples (where
-    `options` saves them) follow the head's. `model` and `head` are unpadded: a depth-padded
-    solve's tail runs at its true depth (`finish_tails` strips the frozen identity layers
-    first). `batch_axis`: as in `solve`, for the tails of a batch finished together under
-    `jax.vmap`."""
+    `options` saves them) fill the head's last rows, which the head left invalid. `model` and
+    `head` are unpadded: a depth-padded solve's tail runs at its true depth (`finish_tails`
+    strips the frozen identity layers first). `batch_axis`: as in `solve`, for the tails of a
+    batch finished together under `jax.vmap`."""
     setup = _setup(problem, model, options, None, observed)
     solver = _solvers(options, setup, batch_axis, observed, tangent_rank)["stiff"]
     y = {"model": head.model}
@@ -176,7 +177,8 @@ def finish_tail(
     if trajectory is not None:
         samples = tail.samples | {"t": jnp.where(handover, tail.samples["t"], jnp.inf)}
         part = Trajectory(samples["t"], samples["loss"], samples["sv"], samples.get("layers"))
-        trajectory = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), trajectory, part)
+        rows = samples["t"].shape[0]
+        trajectory = jax.tree_util.tree_map(lambda a, b: a.at[-rows:].set(b), trajectory, part)
     accepted = head.num_accepted_steps + accepted
     return _assemble(problem, options, head.loss_init, phase_work, accepted, end, trajectory)
 
@@ -407,9 +409,12 @@ def _stiff_tail(setup: Setup, solver, end: _Ending, handover, batch_axis, max_st
     return jax.lax.cond(run_it, run, skipped)
 
 
-def _trajectory(runs, use_loss_clock, finished, handover, n1) -> Trajectory:
+def _trajectory(runs, use_loss_clock, finished, handover, n1, deferred=False) -> Trajectory:
     """The samples of every phase that ran, in time order; those of a phase that did not run
-    are marked invalid (t = inf) and dropped by `Trajectory.compress`."""
+    are marked invalid (t = inf) and dropped by `Trajectory.compress`. A `deferred` tail's
+    rows are there too, invalid (as many as the explicit phase's: both sample the same
+    grid), for `finish_tail` to fill: a trajectory's shape never depends on where the tail
+    ran, or whether it did."""
     parts = []
     if n1:
         parts.append(
@@ -420,6 +425,8 @@ def _trajectory(runs, use_loss_clock, finished, handover, n1) -> Trajectory:
         if i == 2:
             t = jnp.where(handover, t, jnp.inf)
         parts.append(run.samples | {"t": jnp.where(finished, jnp.inf, t)})
+    if deferred:
+        parts.append(runs[1].samples | {"t": jnp.full_like(runs[1].samples["t"], jnp.inf)})
     cat = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs), *parts)
     return Trajectory(cat["t"], cat["loss"], cat["sv"], cat.get("layers"))
 
