@@ -132,16 +132,24 @@ def test_stored_programs_are_keyed_on_the_whole_package_source():
     assert versions["equinox"] == metadata.version("equinox")
 
 
-def test_a_descent_that_saves_samples_is_stored_too(tmp_path):
-    """A descent with `save_every` runs from its stored program in the next process (it was
-    traced in every process: its result's structure was unknown) and gets the same samples.
-    (A flow with samples runs diffrax's `diffeqsolve`, whose host callbacks `jax.export`
-    refuses: it is traced again, and only XLA's compilation comes from the cache.)"""
+def test_programs_that_save_samples_or_stop_at_a_horizon_are_stored_too(tmp_path):
+    """A descent with `save_every`, flows with samples (`save`, `save_ts`) and a flow stopped
+    at a finite `t_max` on the loss clock run from their stored programs in the next process,
+    and give the same samples. Each was traced again in every process: the descent's result
+    had no known structure, diffrax checked the flows' sample times with a host callback
+    (13–15 s a process at d = 8, not even kept by JAX's cache), and the horizon's root finder
+    took a LAPACK QR that `jax.export` refuses."""
     code = (
         "import json, gflow\n"
         "p, m = gflow.diagonal(3), gflow.identity_family(3, 2, 0.1, 4.0)\n"
         "d = gflow.descend(p, m, lr=0.1, max_steps=500, save_every=50, save_layers=True)\n"
-        "print(json.dumps([d.trajectory.loss.tolist(), d.trajectory.singular_values.tolist()]))\n"
+        "a = gflow.flow(p, m, save=5, save_layers=True)\n"
+        "b = gflow.flow(p, m, save_ts=(0.0, 1.0, 10.0))\n"
+        "c = gflow.flow(p, m, clock='loss', t_max=10.0, save=4)\n"
+        "out = [[r.trajectory.loss.tolist(), r.trajectory.singular_values.tolist()]\n"
+        "       for r in (d, a, b, c)]\n"
+        "out.append([c.status_label, c.t_end.item(), [r.compile_cache_hit for r in (a, b, c)]])\n"
+        "print(json.dumps(out))\n"
     )
     env = dict(os.environ, GFLOW_CACHE_DIR=str(tmp_path))
     env.pop("GFLOW_NO_CACHE", None)
@@ -154,7 +162,38 @@ def test_a_descent_that_saves_samples_is_stored_too(tmp_path):
         return json.loads(done.stdout.splitlines()[-1])
 
     first = run()
-    (stored,) = (tmp_path / "gflow-programs").glob("*.jaxexport")
-    written = stored.stat().st_mtime_ns
-    assert run() == first
-    assert stored.stat().st_mtime_ns == written  # loaded, not traced and written again
+    assert first[-1][:2] == ["t_max", 10.0]
+    stored = sorted((tmp_path / "gflow-programs").glob("*.jaxexport"))
+    assert len(stored) == 4  # the descent and the three flows (none reaches its stiff tail)
+    written = [f.stat().st_mtime_ns for f in stored]
+    second = run()
+    assert second[:-1] == first[:-1]
+    assert second[-1][2] == [True, True, True]  # and XLA's compilation came from JAX's cache
+    assert [f.stat().st_mtime_ns for f in stored] == written  # loaded, not traced and written
+
+
+def test_equinox_checks_traced_for_a_stored_program_hold_no_host_callback():
+    """Inside `checks_without_host_callbacks` an equinox runtime check traces to a select
+    (NaN where it fails), so the program exports; outside, the user's setting (a host
+    callback that raises) is back."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+
+    from gflow.engine import _compile
+
+    def checked():  # a new function each time: JAX keeps a function's trace
+        return jax.jit(lambda x: eqx.error_if(x, x < 0, "negative"))
+
+    with _compile.checks_without_host_callbacks(), _compile.checks_without_host_callbacks():
+        exported = export.export(checked())(jnp.ones(2))
+    assert np.array_equal(exported.call(jnp.ones(2)), np.ones(2))
+    assert np.all(np.isnan(exported.call(-jnp.ones(2))))
+    # the same check traced afterwards is the user's again (equinox keeps a check's trace)
+    with pytest.raises(NotImplementedError, match="host_callbacks"):
+        export.export(checked())(jnp.ones(2))
+    with pytest.raises(Exception, match="negative"):
+        checked()(-jnp.ones(2)).block_until_ready()
+    with _compile.checks_without_host_callbacks():  # and one kept from before is not used
+        assert export.export(checked())(jnp.ones(2)) is not None

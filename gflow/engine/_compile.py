@@ -12,8 +12,10 @@ Clearing it is deleting the directory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -172,10 +174,11 @@ def compile_timed(fn, *args, kind: str, key=None, out_like=None):
         )
         return out_leaves
 
-    exported = None if path is None else _export(flat_fn, leaves)
-    if exported is None:
-        compiled = jax.jit(flat_fn).lower(*leaves).compile()
-    else:
+    with checks_without_host_callbacks():
+        exported = None if path is None else _export(flat_fn, leaves)
+        if exported is None:
+            compiled = jax.jit(flat_fn).lower(*leaves).compile()
+    if exported is not None:
         compiled = jax.jit(exported.call).lower(*leaves).compile()
         if structure["out"] == out_tree:
             _store(path, exported)
@@ -250,11 +253,53 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
+_CHECKS = {"lock": threading.Lock(), "depth": 0, "saved": None}
+
+
+@contextlib.contextmanager
+def checks_without_host_callbacks():
+    """Equinox's runtime checks traced in here select NaN where they fail, instead of calling
+    the host to raise (as if ``EQX_ON_ERROR=nan``). diffrax checks a flow's sample times
+    (`saveat.ts` increasing and within the solve) and a fixed step's sign that way, and a
+    program with a host callback can be neither exported nor kept by JAX's persistent cache:
+    every process traced and compiled a flow with samples again (13–15 s at d = 8, against
+    0.7 s loading one without). gflow builds those arguments valid (sample grids clipped into
+    their phase, positive steps) and reports a solve's failures as statuses, so these checks
+    never fire in its programs. A user's own ``EQX_ON_ERROR`` (breakpoint, off) is left
+    alone, and so is an equinox without this module-level setting (its programs are then
+    traced again in each process, as before). Re-entrant and thread-safe: the setting holds
+    while any thread is inside."""
+    import equinox._errors as errors
+
+    def switch(mode):
+        errors.EQX_ON_ERROR = mode
+        # equinox traces a check once per signature and keeps it: forget the other mode's
+        jitted = getattr(getattr(errors, "branched_error_if_impl_jit", None), "_cached", None)
+        if hasattr(jitted, "clear_cache"):
+            jitted.clear_cache()
+
+    with _CHECKS["lock"]:
+        if _CHECKS["depth"] == 0:
+            _CHECKS["saved"] = getattr(errors, "EQX_ON_ERROR", None)
+            if _CHECKS["saved"] == "raise":
+                switch("nan")
+        _CHECKS["depth"] += 1
+    try:
+        yield
+    finally:
+        with _CHECKS["lock"]:
+            _CHECKS["depth"] -= 1
+            if _CHECKS["depth"] == 0 and _CHECKS["saved"] == "raise":
+                switch("raise")
+
+
 def _export(flat_fn, leaves):
     """`jax.export` of the program, or None where it refuses: programs with XLA custom calls
-    that carry no compatibility guarantee (the LAPACK QR lineax uses in Kvaerno5's Newton
-    solves) or with host callbacks cannot be exported; they are traced again and kept by JAX's
-    cache only. (An error of the program itself is raised again by that second trace.)"""
+    that carry no compatibility guarantee (a LAPACK QR's `ormqr`, lineax's default for a
+    non-square solve: why the horizon's root finder solves by SVD) or with host callbacks
+    (`checks_without_host_callbacks` keeps equinox's out) cannot be exported; they are traced
+    again in each process. (An error of the program itself is raised again by that second
+    trace.)"""
     from jax import export
 
     try:

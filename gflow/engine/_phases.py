@@ -12,6 +12,7 @@ import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import numpy as np
 import optimistix as optx
 
@@ -335,7 +336,9 @@ def loss_clock_phase(
         # resolution of t: as (t − t_max) it asked for 1e-12 at t ~ 1e4, where one ulp is
         # 1.8e-12, never converged, and reported `failed` for a flow that had reached t_max.
         conditions["t_max"] = lambda t, y, args, **kw: y["t"] / setup.t_max - 1.0
-        root_finder = optx.Newton(rtol=1e-12, atol=1e-12)
+        # SVD, not lineax's default QR, whose LAPACK call has no export guarantee: a
+        # program holding it could not be stored (every process traced it again)
+        root_finder = optx.Newton(rtol=1e-12, atol=1e-12, linear_solver=lx.SVD())
     sol = _diffeqsolve(
         setup,
         loss_clock_field,
