@@ -80,17 +80,20 @@ def _plot(name, result, path):
         ax.set_ylabel("gradient FLOP rate / matmul FLOP rate")
         ax.set_title("RHS efficiency")
     elif name == "startup":
-        names = list(result["best_wall_s"])
-        ax.bar(names, [result["best_wall_s"][n] for n in names], label="wall")
-        ax.bar(
-            names,
-            [min(x["compile_s"] for x in result["runs"][n]) for n in names],
-            label="of which compile or load",
-        )
+        cases = result["cases"]
+        modes = list(next(iter(cases.values()))["best_wall_s"])
+        width = 0.8 / len(modes)
+        for i, mode in enumerate(modes):
+            xs = [j + i * width for j in range(len(cases))]
+            walls = [case["best_wall_s"][mode] for case in cases.values()]
+            compiles = [case["best_compile_s"][mode] for case in cases.values()]
+            ax.bar(xs, walls, width, label=mode)
+            ax.bar(xs, compiles, width, color="k", alpha=0.3)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], list(cases), fontsize=7)
         ax.axhline(result["import_s"], color="k", ls=":", label="import gflow")
-        ax.set_ylabel("seconds per process")
-        ax.set_title(result["command"], fontsize=9)
-        ax.legend(fontsize=8)
+        ax.set_ylabel("seconds per process (shaded: compile or load)")
+        ax.set_title("start-up", fontsize=9)
+        ax.legend(fontsize=7)
     elif name == "scale":
         rows = result["rows"]
         ds = [r["d"] for r in rows]
@@ -231,13 +234,14 @@ def _summary(name, r):
             parts.append(f"{size}: {rows}" + (f"; Kvaerno5/auto = {ratio:.3g}×" if ratio else ""))
         return " | ".join(parts)
     if name == "startup":
-        best = r["best_wall_s"]
-        return (
-            f"repeated call {best['repeated (cache hit)']:.2f} s vs {best['no cache']:.2f} s "
-            f"without the cache ({r['no_cache_over_repeated']:.3g}×); first call "
-            f"{r['first_over_no_cache']:.2f}× the uncached one; import {r['import_s']:.2f} s; "
-            f"identical results: {r['identical_results']}"
-        )
+        parts = [
+            f"{label}: repeated {c['best_wall_s']['repeated (cache hit)']:.2f} s vs "
+            f"{c['best_wall_s']['no cache']:.2f} s uncached ({c['no_cache_over_repeated']:.3g}×),"
+            f" compile {c['best_compile_s']['repeated (cache hit)']:.2f} vs "
+            f"{c['best_compile_s']['no cache']:.2f} s, identical: {c['identical_results']}"
+            for label, c in r["cases"].items()
+        ]
+        return " | ".join(parts) + f" | import {r['import_s']:.2f} s"
     if name == "scale":
         parts = [
             f"d={row['d']}: {row['status']} {row['solve_s']:.3g} s ({row['steps']} steps, "
