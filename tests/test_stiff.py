@@ -319,22 +319,37 @@ def test_a_deferred_stiff_tail_finished_alone_is_the_same_flow(stiff_case):
     )
 
 
-def test_the_lean_tail_takes_the_steps_of_diffeqsolve():
-    """With nothing saved the stiff tail runs in `_solver_loop`, which keeps the Gauss–Newton
-    preconditioner from a rejected step instead of restoring it: the same steps (rejected ones
-    included) and the same endpoint, bit for bit, as the tail in `diffeqsolve`, and the same
-    linear-solver work plus that of the rejected steps, which `diffeqsolve` does not keep. A
-    d = 8 random mask whose CG tail rejects steps and rebuilds."""
-    from gflow.engine import _phases, _solve
-
+@pytest.fixture(scope="module")
+def lean_tail_head():
+    """A d = 8 random mask whose CG tail rejects steps and rebuilds: the flow up to its tail."""
     problem = gflow.bernoulli(8, 8, 0.5, 2, key=jax.random.key(1))
     init = gflow.gaussian([8] * 5, 0.1, key=jax.random.key(11))
-    options = gflow.FlowOptions()
     observed = int(np.sum(np.asarray(problem.mask) != 0))
-    head = jax.jit(lambda p, m: gflow.solve(p, m, options, observed=observed, defer_tail=True))(
-        problem, init
-    )
+    head = jax.jit(
+        lambda p, m: gflow.solve(p, m, gflow.FlowOptions(), observed=observed, defer_tail=True)
+    )(problem, init)
     assert head.status_label == "pending"
+    return problem, init, observed, head
+
+
+@pytest.mark.parametrize("sampling", ["none", "save", "save_ts"])
+def test_the_lean_tail_takes_the_steps_of_diffeqsolve(lean_tail_head, sampling):
+    """The stiff tail runs in `_solver_loop`, which keeps the Gauss–Newton preconditioner from
+    a rejected step instead of restoring it: the same steps (rejected ones included) and the
+    same endpoint, bit for bit, as the tail in `diffeqsolve`, and the same linear-solver work
+    plus that of the rejected steps, which `diffeqsolve` does not keep. With samples (`save`,
+    or `save_ts` inside and outside the tail) it takes them from its steps' dense output as
+    `diffeqsolve` does: the same samples, bit for bit."""
+    from gflow.engine import _phases, _solve
+
+    problem, init, observed, head = lean_tail_head
+    t_end = float(head.t_end)
+    sampled = {
+        "none": {},
+        "save": {"save": 7},
+        "save_ts": {"save_ts": (0.5 * t_end, t_end, 3 * t_end, 1e3 * t_end, 1e9 * t_end)},
+    }[sampling]
+    options = gflow.FlowOptions(**sampled)
     setup = _solve._setup(problem, init, options, None).for_tail()
     solver = _solve._solvers(options, setup, None, observed)["stiff"]
     t1 = setup.t_max - head.t_end
@@ -364,6 +379,16 @@ def test_the_lean_tail_takes_the_steps_of_diffeqsolve():
     # failed would add its dense re-solve to the lean loop's count only: none here)
     rejected = int(full.stats.num_rejected_steps)
     assert int(lean.stats.rhs_evals) == int(full.stats.rhs_evals) - rejected
+    assert (
+        sorted(lean.samples) == sorted(full.samples) == ([] if not sampled else ["loss", "sv", "t"])
+    )
+    for key in full.samples:
+        np.testing.assert_array_equal(np.asarray(lean.samples[key]), np.asarray(full.samples[key]))
+    if sampled:
+        t = np.asarray(lean.samples["t"])
+        # samples inside the tail, and rows it never reached (after it converged, or before
+        # it began) left invalid
+        assert 3 <= np.sum(np.isfinite(t)) < len(t)
 
 
 def test_tails_finished_side_by_side_equal_tails_finished_one_by_one(stiff_case):

@@ -1,7 +1,7 @@
 """One clock phase of a solve: integrate from a state until the phase's end, and say how it
-ended. A phase runs either in diffrax's `diffeqsolve` (saving, events, implicit solvers) or,
-when nothing is saved, in one of gflow's own loops: `_runge_kutta` for the explicit phases,
-`_solver_loop` for the stiff tail."""
+ended. A phase runs in one of gflow's own loops (`_solver_loop` for the stiff tail, samples
+or not; `_runge_kutta` for an explicit phase that saves nothing) or in diffrax's
+`diffeqsolve` (explicit phases with samples or a horizon, implicit solvers, fixed steps)."""
 
 from __future__ import annotations
 
@@ -359,19 +359,7 @@ def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean)
     stopping rule fires."""
     if lean:
         return lean_phase(setup, solver, physical_rates, y0, t1, max_steps, Status.T_MAX)
-    dtype = t_offset.dtype if hasattr(t_offset, "dtype") else jnp.float64
-    grid = None
-    if setup.save_ts is not None:
-        grid = jnp.clip(jnp.asarray(setup.save_ts, dtype) - t_offset, 0.0, t1)
-    elif setup.save:
-        loss, g = masked_loss_and_gradient(y0["model"], setup.problem, setup.layer_mask)
-        h = loss_time_scale(loss, tree_dot(g, g))
-        h = jnp.where(h > 0, h, 1.0)
-        hi = jnp.where(jnp.isfinite(t1), t1, h * 1e8)
-        lo = jnp.minimum(h * 1e-3, hi)
-        n = setup.save
-        grid = jnp.concatenate([jnp.zeros(1, dtype), jnp.geomspace(1.0, hi / lo, n - 1) * lo])
-        grid = jnp.minimum(grid, t1)
+    grid = _sample_grid(setup, y0, t_offset, t1)
     sol = _diffeqsolve(
         setup,
         physical_field,
@@ -384,29 +372,69 @@ def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean)
         diffrax.Event({"stop": setup.stop}),
         grid,
     )
-    # with `save` (not `save_ts`) the gradient at y0 spaced the samples
-    spacing = int(setup.save_ts is None and bool(setup.save))
-    run = _diffrax_run(setup, sol, solver, Status.T_MAX, grid is not None, spacing)
+    run = _diffrax_run(setup, sol, solver, Status.T_MAX, grid is not None, _spacing_evals(setup))
+    return _with_samples(run, _within_phase(setup, run, t_offset))
+
+
+def _sample_grid(setup: Setup, y0, t_offset, t1):
+    """A physical phase's sample times in its local time, or None: `save_ts` clipped into the
+    phase, or `save` times spaced geometrically from the loss time-scale at y0 (from 1e-3 of
+    it to `t1`, or to 1e8 of it on an infinite horizon)."""
+    dtype = t_offset.dtype if hasattr(t_offset, "dtype") else jnp.float64
     if setup.save_ts is not None:
-        # requested times outside this phase are clipped into it: mark them invalid
-        ts = jnp.asarray(setup.save_ts, dtype)
-        inside = (ts >= t_offset) & (ts <= t_offset + run.t)
-        samples = run.samples | {"t": jnp.where(inside, run.samples["t"], jnp.inf)}
-        run = eqx.tree_at(lambda r: r.samples, run, samples)
-    return run
+        return jnp.clip(jnp.asarray(setup.save_ts, dtype) - t_offset, 0.0, t1)
+    if not setup.save:
+        return None
+    loss, g = masked_loss_and_gradient(y0["model"], setup.problem, setup.layer_mask)
+    h = loss_time_scale(loss, tree_dot(g, g))
+    h = jnp.where(h > 0, h, 1.0)
+    hi = jnp.where(jnp.isfinite(t1), t1, h * 1e8)
+    lo = jnp.minimum(h * 1e-3, hi)
+    n = setup.save
+    grid = jnp.concatenate([jnp.zeros(1, dtype), jnp.geomspace(1.0, hi / lo, n - 1) * lo])
+    return jnp.minimum(grid, t1)
+
+
+def _spacing_evals(setup: Setup) -> int:
+    """Gradients a physical phase takes outside its solver: with `save` (not `save_ts`), the
+    one at y0 that spaces the samples."""
+    return int(setup.save_ts is None and bool(setup.save))
+
+
+def _within_phase(setup: Setup, run: PhaseRun, t_offset) -> dict:
+    """A physical phase's samples, with requested `save_ts` outside the phase (clipped into
+    it by `_sample_grid`) marked invalid."""
+    if setup.save_ts is None:
+        return run.samples
+    ts = jnp.asarray(setup.save_ts, run.t.dtype)
+    inside = (ts >= t_offset) & (ts <= t_offset + run.t)
+    return run.samples | {"t": jnp.where(inside, run.samples["t"], jnp.inf)}
+
+
+def _with_samples(run: PhaseRun, samples: dict) -> PhaseRun:
+    return PhaseRun(run.y, run.t, run.status, run.stats, samples)
 
 
 def stiff_phase(setup: Setup, solver, y0, t_offset, t1, max_steps) -> PhaseRun:
     """The stiff tail in physical time from local time 0 (absolute time `t_offset`) to `t1`, or
-    until the stopping rule fires: in `_solver_loop`'s lean loop when nothing is saved (it
-    keeps the preconditioner out of a copy per step), else in `diffeqsolve`."""
-    saves = setup.save_ts is not None or bool(setup.save)
-    adaptive = isinstance(setup.controller, diffrax.AbstractAdaptiveStepSizeController)
-    if saves or not adaptive:
+    until the stopping rule fires, in `_solver_loop`'s lean loop (it keeps the preconditioner
+    out of a copy per step; samples from the steps' dense output, as `diffeqsolve` takes
+    them); with a fixed step in `diffeqsolve`."""
+    if not isinstance(setup.controller, diffrax.AbstractAdaptiveStepSizeController):
         return physical_phase(setup, solver, y0, t_offset, t1, None, max_steps, lean=False)
     args = FieldArgs(setup.problem, t_offset, False, setup.layer_mask)
+    grid = _sample_grid(setup, y0, t_offset, t1)
     run = integrate_solver(
-        solver, setup.controller, physical_field, setup.stop, y0, t1, args, max_steps
+        solver,
+        setup.controller,
+        physical_field,
+        setup.stop,
+        y0,
+        t1,
+        args,
+        max_steps,
+        save_ts=grid,
+        sample=setup.summary if grid is not None else None,
     )
     stopped = run.result == diffrax.RESULTS.event_occurred
     status = _status(setup, run.y, run.result, stopped, False, Status.T_MAX)
@@ -416,17 +444,19 @@ def stiff_phase(setup: Setup, solver, y0, t_offset, t1, max_steps) -> PhaseRun:
         num_accepted_steps=run.num_accepted_steps,
         num_rejected_steps=run.num_steps - run.num_accepted_steps,
         # every stage of every step (and those solved again densely), the stopping rule at
-        # y0 and at each accepted point, and the status at the end
+        # y0 and at each accepted point, the status at the end, and the samples' spacing
         rhs_evals=per_step * run.num_steps
         + _redone_stages(run.solver_state)
         + setup.stop_evals * (run.num_accepted_steps + 1)
         + setup.status_evals
+        + _spacing_evals(setup)
         if per_step > 0
-        else jnp.where(run.num_steps > 0, -1, 0),
+        else jnp.where(run.num_steps > 0, -1, _spacing_evals(setup)),
         solver_code=solver_code(run.result),
         **_linear_work(run.solver_state),
     )
-    return PhaseRun(run.y, run.t, status, stats, {})
+    phase = PhaseRun(run.y, run.t, status, stats, {} if grid is None else dict(run.samples))
+    return _with_samples(phase, _within_phase(setup, phase, t_offset))
 
 
 def _diffeqsolve(setup: Setup, field, solver, y0, t1, dt0, args, max_steps, event, grid):

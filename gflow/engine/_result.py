@@ -145,9 +145,8 @@ class FlowResult(eqx.Module):
       phase's status (with `rounding_floor`, its second gradient too). XLA may merge two on
       the same point into one (the clock's and the first step's). −1 where a phase ran one of
       diffrax's implicit solvers (`kvaerno5`), whose Newton iterations diffrax does not
-      report. The one gap: a stiff tail with samples saved (it then runs in `diffeqsolve`)
-      misses the dense re-solves of its rejected steps' failed CG (tests/test_flow.py counts
-      the rest).
+      report. The one gap: `solver="rodas4"` (its phases run in `diffeqsolve`) misses the
+      dense re-solves of its rejected steps' failed CG (tests/test_flow.py counts the rest).
     - `num_linear_iters`: conjugate-gradient iterations (a Hessian-vector product and a
       preconditioner application each) of the Rosenbrock phases, 0 when they ran with dense
       linear algebra or did not run (with a Gauss–Newton preconditioner of ≥ 1,024 observed
@@ -155,8 +154,8 @@ class FlowResult(eqx.Module):
       starting its stages' CG from the previous step's stage solutions);
       `num_factorizations`: their dense factorisations or preconditioner builds. Both count
       every step of the stiff tail of `solver="auto"`, rejected ones included, but only
-      accepted steps where a Rosenbrock phase runs in `diffeqsolve` (samples saved, or
-      `solver="rodas4"`): diffrax keeps no solver state from a rejected step
+      accepted steps where a Rosenbrock phase runs in `diffeqsolve` (`solver="rodas4"`):
+      diffrax keeps no solver state from a rejected step
       (`num_rejected_steps` says how many steps that is).
     - `phase_work`: the work of each phase, an int array of shape (3, 5): rows indexed by
       `Phase` (loss clock, explicit, stiff tail), columns `WORK_COLUMNS` (steps, rejected

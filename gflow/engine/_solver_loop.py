@@ -1,4 +1,4 @@
-"""A lean loop for a diffrax solver that saves nothing: the stiff tail's Rosenbrock phase.
+"""A lean loop for a diffrax solver: the stiff tail's Rosenbrock phase.
 
 `diffeqsolve` drives a solver and its step-size controller, then keeps or discards the whole
 solver state with a select over every leaf. For `Rodas4` with the Gauss–Newton preconditioner
@@ -33,6 +33,7 @@ class SolverRun(NamedTuple):
     solver_state: object
     num_steps: jax.Array
     num_accepted_steps: jax.Array
+    samples: object  # `sample(t, y, args)` at each of `save_ts` (inf where not reached), or None
 
 
 def integrate_solver(
@@ -44,11 +45,14 @@ def integrate_solver(
     t1,
     args,
     max_steps: int,
+    save_ts=None,
+    sample: Callable | None = None,
 ) -> SolverRun:
     """dy/dt = `field(t, y, args)` from t = 0 towards `t1`, until `stop(t, y, args)` holds at
     an accepted point (or at y0), as `diffeqsolve(ODETerm(field), solver, 0, t1, None, y0,
     args, stepsize_controller=controller, max_steps=max_steps, event=Event(stop),
-    throw=False)` would run it."""
+    throw=False)` would run it; with `save_ts` (non-decreasing, within [0, `t1`]) and
+    `sample`, also what its `SaveAt(ts=save_ts, fn=sample)` would save."""
     term = diffrax.ODETerm(field)
     dtype = jnp.result_type(*jax.tree_util.tree_leaves(y0))
     t0 = jnp.zeros((), dtype)
@@ -73,7 +77,7 @@ def integrate_solver(
         state = carry["solver_state"]
         if isinstance(state, dict) and "active" in state:
             state = {**state, "active": running(carry)}
-        y1, y_error, _, new_state, solver_result = solver.step(
+        y1, y_error, dense, new_state, solver_result = solver.step(
             term, tprev, tnext, y, args, state, False
         )
         y_error = jax.tree_util.tree_map(lambda e: jnp.where(jnp.isnan(e), jnp.inf, e), y_error)
@@ -90,6 +94,9 @@ def integrate_solver(
         solver_state = {
             k: v if k in kept else select(v, old_state[k]) for k, v in new_state.items()
         }
+        if save_ts is not None:
+            interpolation = solver.interpolation_cls(t0=carry["tprev"], t1=carry["tnext"], **dense)
+            saved = _save_within(save_ts, sample, args, interpolation, carry["tnext"], keep, carry)
         y = select(y1, y)
         result = diffrax.RESULTS.where(keep, solver_result, diffrax.RESULTS.successful)
         result = diffrax.RESULTS.where(
@@ -106,6 +113,7 @@ def integrate_solver(
             "result": result,
             "num_steps": carry["num_steps"] + 1,
             "num_accepted_steps": carry["num_accepted_steps"] + keep.astype(jnp.int32),
+            **(saved if save_ts is not None else {}),
         }
 
     zero = jnp.asarray(0, jnp.int32)
@@ -121,7 +129,23 @@ def integrate_solver(
         "num_steps": zero,
         "num_accepted_steps": zero,
     }
+    if save_ts is not None:
+        save_ts = jnp.asarray(save_ts, dtype)
+        shapes = jax.eval_shape(sample, t0, y0, args)
+        carry["samples"] = jax.tree_util.tree_map(
+            lambda s: jnp.full((save_ts.shape[0], *s.shape), jnp.inf, s.dtype), shapes
+        )
+        carry["save_index"] = zero
     out = jax.lax.while_loop(running, body, carry)
+    samples = None
+    if save_ts is not None:
+        # a solve of zero length samples y0 at every time, as diffeqsolve does
+        at_y0 = sample(t0, y0, args)
+        samples = jax.tree_util.tree_map(
+            lambda a, b: jnp.where(t1 == t0, jnp.broadcast_to(b, a.shape), a),
+            out["samples"],
+            at_y0,
+        )
     result = diffrax.RESULTS.where(
         unfinished(out), diffrax.RESULTS.max_steps_reached, out["result"]
     )
@@ -132,4 +156,25 @@ def integrate_solver(
         solver_state=out["solver_state"],
         num_steps=out["num_steps"],
         num_accepted_steps=out["num_accepted_steps"],
+        samples=samples,
     )
+
+
+def _save_within(save_ts, sample, args, interpolation, t_end, keep, carry) -> dict:
+    """The samples at the times in `save_ts` the accepted step ending at `t_end` passed, from
+    its dense output `interpolation` (none where the step is rejected)."""
+    n = save_ts.shape[0]
+
+    def more(state):
+        index, _ = state
+        return keep & (index < n) & (save_ts[jnp.minimum(index, n - 1)] <= t_end)
+
+    def one(state):
+        index, samples = state
+        t = save_ts[index]
+        value = sample(t, interpolation.evaluate(t), args)
+        samples = jax.tree_util.tree_map(lambda a, v: a.at[index].set(v), samples, value)
+        return index + 1, samples
+
+    index, samples = jax.lax.while_loop(more, one, (carry["save_index"], carry["samples"]))
+    return {"save_index": index, "samples": samples}
