@@ -238,27 +238,71 @@ def test_a_step_size_that_finds_no_step_ends_as_out_of_steps_after_its_stall_rej
         assert int(sol.stats["num_steps"]) == steps and int(sol.stats["num_accepted_steps"]) == 0
 
 
-def test_lean_loop_takes_the_steps_of_diffeqsolve():
-    """Without saving, the explicit phases run in gflow's own Runge–Kutta loop; with saving, in
-    `diffeqsolve`. Same controller, same first step: the same steps, the same endpoint."""
+def test_a_flow_that_saves_samples_is_the_flow_that_saves_none():
+    """The explicit phases run in gflow's own Runge–Kutta loop, samples or not (the samples
+    from each accepted step's dense output): the same steps and the same endpoint, bit for
+    bit, plus the one gradient that spaces the physical-time samples."""
     problem = gflow.diagonal(5)
     init = gflow.gaussian([5, 4, 6, 5], 0.05, key=3)  # "auto": the loss clock, then physical
     # Tsit5 alone: the explicit phases are what differs (and no stiff phase to compile)
     options = {"solver": "tsit5", "rtol": 1e-9, "certificates": True}
-    lean = gflow.flow(problem, init, **options)
-    saved = gflow.flow(problem, init, **options, save=2)
-    assert lean.status_label == saved.status_label == "converged"
-    for field in ("num_steps", "num_accepted_steps", "num_rejected_steps"):
-        assert int(getattr(lean, field)) == int(getattr(saved, field)), field
-    assert int(lean.num_rejected_steps) > 0  # the reject path was exercised
-    # diffrax evaluates the stopping test apart (every step, and at the start of both clock
-    # phases; the lean loop reads it off the first-same-as-last stage), and the saved flow
-    # spaces its physical-time samples by the gradient at the start of that phase
-    assert int(lean.num_rhs_evals) == int(saved.num_rhs_evals) - int(saved.num_steps) - 3
-    for a, b in zip(lean.model.layers, saved.model.layers, strict=True):
+    unsaved = gflow.flow(problem, init, **options)
+    saved = gflow.flow(problem, init, **options, save=6)
+    assert unsaved.status_label == saved.status_label == "converged"
+    for field in ("num_steps", "num_accepted_steps", "num_rejected_steps", "t_end", "energy"):
+        assert float(getattr(saved, field)) == float(getattr(unsaved, field)), field
+    assert int(saved.num_rhs_evals) == int(unsaved.num_rhs_evals) + 1
+    for a, b in zip(saved.model.layers, unsaved.model.layers, strict=True):
+        np.testing.assert_array_equal(a, b)
+    t = np.asarray(saved.trajectory.t)
+    assert 8 <= np.isfinite(t).sum() < t.size  # both clocks sampled; rows after convergence not
+    assert np.all(np.diff(t[np.isfinite(t)]) >= 0)
+
+
+@pytest.mark.parametrize("clock", ["loss", "physical"])
+def test_lean_loop_takes_the_steps_and_samples_of_diffeqsolve(clock):
+    """One explicit phase in gflow's own loop and in `diffeqsolve`, samples saved: the same
+    controller and first step give the same steps, the same endpoint, and samples from the
+    same dense output (Tsit5's); the lean loop reads the stopping test off the
+    first-same-as-last stage instead of evaluating it apart."""
+    from gflow.engine import _phases, _solve
+
+    problem = gflow.diagonal(5)
+    if clock == "loss":  # the plateau of a small init
+        init = gflow.gaussian([5, 4, 6, 5], 0.05, key=3)
+        options = gflow.FlowOptions(solver="tsit5", rtol=1e-9, save=6)
+    else:  # a flow of order-one time, sampled at given times (the last ones never reached)
+        init = gflow.gaussian([5, 4, 6, 5], 0.5, key=3)
+        times = (0.0, 0.3, 1.0, 3.0, 10.0, 30.0, 1e6, 1e9)
+        options = gflow.FlowOptions(solver="tsit5", rtol=1e-9, save_ts=times)
+    setup = _solve._setup(problem, init, options, None)
+    solver = _solve._solvers(options, setup, None, None)["explicit"]
+    y0 = {"model": init}
+
+    def phase(lean):
+        def run(y):
+            if clock == "loss":
+                y = y | {"t": jnp.zeros(())}
+                return _phases.loss_clock_phase(setup, solver, y, 3.0, None, 10**5, 7, lean)
+            return _phases.physical_phase(setup, solver, y, 0.0, jnp.inf, None, 10**5, lean)
+
+        return jax.jit(run)(y0)
+
+    lean, full = phase(True), phase(False)
+    assert int(lean.stats.num_steps) == int(full.stats.num_steps) > 50
+    assert int(lean.stats.num_rejected_steps) == int(full.stats.num_rejected_steps)
+    assert int(lean.stats.rhs_evals) == int(full.stats.rhs_evals) - int(full.stats.num_steps) - 1
+    assert int(lean.status) == int(full.status)
+    for a, b in zip(lean.y["model"].layers, full.y["model"].layers, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(float(lean.energy), float(saved.energy), rtol=1e-12)
-    assert gflow.energy_residual(lean) <= 1e-8
+    t, t_ref = np.asarray(lean.samples["t"]), np.asarray(full.samples["t"])
+    valid = np.isfinite(t_ref)
+    np.testing.assert_array_equal(np.isfinite(t), valid)
+    assert valid.sum() >= 4
+    np.testing.assert_allclose(t[valid], t_ref[valid], rtol=1e-12)
+    for key in ("loss", "sv"):
+        a, b = np.asarray(lean.samples[key])[valid], np.asarray(full.samples[key])[valid]
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-10 * np.max(np.abs(b)))
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

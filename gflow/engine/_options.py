@@ -282,12 +282,10 @@ class FlowOptions(eqx.Module):
 
     @property
     def lean(self) -> bool:
-        """Whether the explicit phases run in gflow's own Runge–Kutta loop: nothing is saved
-        along the way and no finite horizon has to be located on the loss clock."""
+        """Whether the explicit phases run in gflow's own Runge–Kutta loop: no finite horizon
+        has to be located (a root find on the loss clock, an end at `t_max`)."""
         return (
             isinstance(self.solver, str)
             and self.solver in LEAN_SOLVERS
-            and not self.save
-            and self.save_ts is None
             and not math.isfinite(self.t_max)
         )

@@ -1,7 +1,7 @@
 """One clock phase of a solve: integrate from a state until the phase's end, and say how it
-ended. A phase runs in one of gflow's own loops (`_solver_loop` for the stiff tail, samples
-or not; `_runge_kutta` for an explicit phase that saves nothing) or in diffrax's
-`diffeqsolve` (explicit phases with samples or a horizon, implicit solvers, fixed steps)."""
+ended. A phase runs in one of gflow's own loops (`_runge_kutta` for an explicit phase,
+`_solver_loop` for the stiff tail; samples from their steps' dense output) or in diffrax's
+`diffeqsolve` (a finite horizon, implicit solvers, fixed steps)."""
 
 from __future__ import annotations
 
@@ -272,14 +272,33 @@ def summary(save_layers: bool, num_sv: int):
 
 
 def lean_phase(
-    setup: Setup, solver, rates, y0, t1, max_steps, end_status, stall_rejections=0
+    setup: Setup,
+    solver,
+    rates,
+    y0,
+    t1,
+    max_steps,
+    end_status,
+    stall_rejections=0,
+    grid=None,
+    args: FieldArgs | None = None,
+    extra_evals=0,
 ) -> PhaseRun:
-    """One phase in gflow's own Runge–Kutta loop (`_runge_kutta.integrate`)."""
+    """One phase in gflow's own Runge–Kutta loop (`_runge_kutta.integrate`); with a `grid`
+    of local times, also the trajectory's samples there (`setup.summary` with `args`).
+    `extra_evals`: gradients the phase took outside the loop."""
 
     def field(y):
         dy, loss, g = rates(y, setup.problem, setup.layer_mask)
         return dy, setup.done(loss, g, y["model"])
 
+    sampled = {}
+    if grid is not None:
+        sampled = dict(
+            save_ts=grid,
+            sample=lambda t, y: setup.summary(t, y, args),
+            interpolation_cls=solver.interpolation_cls,
+        )
     run = integrate(
         field,
         y0,
@@ -291,6 +310,7 @@ def lean_phase(
         norm=setup.controller.norm,
         max_steps=max_steps,
         stall_rejections=stall_rejections,
+        **sampled,
     )
     status = select_status(
         [
@@ -307,10 +327,10 @@ def lean_phase(
         linear_iters=jnp.asarray(0, jnp.int32),
         # f(y0) (which also tests y0), every stage after the first of each step, and the
         # divergence test at the end
-        rhs_evals=2 + rhs_evals_per_step(solver) * run.num_steps,
+        rhs_evals=2 + extra_evals + rhs_evals_per_step(solver) * run.num_steps,
         solver_code=jnp.asarray(0, jnp.int32),  # the loop has no failure mode of its own
     )
-    return PhaseRun(run.y, run.t, status, stats, {})
+    return PhaseRun(run.y, run.t, status, stats, {} if grid is None else dict(run.samples))
 
 
 def loss_clock_phase(
@@ -319,16 +339,26 @@ def loss_clock_phase(
     """The loss clock (t carried as a state) from τ = 0 to `tau_end`, or until the stopping
     rule fires; with a finite horizon it also stops where t reaches `t_max`. With
     `stall_rejections` > 0 that many rejected steps in a row end it as out of steps."""
+    grid = None
+    if n_samples:
+        grid = jnp.where(jnp.isfinite(tau_end), tau_end, 30.0) * jnp.linspace(0, 1, n_samples)
     if lean:
+        args = FieldArgs(setup.problem, 0.0, True, setup.layer_mask)
         return lean_phase(
-            setup, solver, loss_clock_rates, y0, tau_end, max_steps, CONTINUE, stall_rejections
+            setup,
+            solver,
+            loss_clock_rates,
+            y0,
+            tau_end,
+            max_steps,
+            CONTINUE,
+            stall_rejections,
+            grid,
+            args,
         )
     if stall_rejections > 0 and isinstance(setup.controller, FiniteErrorPID):
         controller = dataclasses.replace(setup.controller, stall_rejections=stall_rejections)
         setup = dataclasses.replace(setup, controller=controller)
-    grid = None
-    if n_samples:
-        grid = jnp.where(jnp.isfinite(tau_end), tau_end, 30.0) * jnp.linspace(0, 1, n_samples)
     conditions = {"stop": setup.stop}
     root_finder = None
     if setup.finite_horizon:
@@ -357,9 +387,14 @@ def loss_clock_phase(
 def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean) -> PhaseRun:
     """Physical time from local time 0 (absolute time `t_offset`) to `t1`, or until the
     stopping rule fires."""
-    if lean:
-        return lean_phase(setup, solver, physical_rates, y0, t1, max_steps, Status.T_MAX)
     grid = _sample_grid(setup, y0, t_offset, t1)
+    args = FieldArgs(setup.problem, t_offset, False, setup.layer_mask)
+    if lean:
+        spacing = _spacing_evals(setup)
+        run = lean_phase(
+            setup, solver, physical_rates, y0, t1, max_steps, Status.T_MAX, 0, grid, args, spacing
+        )
+        return _with_samples(run, _within_phase(setup, run, t_offset))
     sol = _diffeqsolve(
         setup,
         physical_field,
@@ -367,7 +402,7 @@ def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean)
         y0,
         t1,
         dt0,
-        FieldArgs(setup.problem, t_offset, False, setup.layer_mask),
+        args,
         max_steps,
         diffrax.Event({"stop": setup.stop}),
         grid,

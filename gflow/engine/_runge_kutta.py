@@ -1,7 +1,7 @@
 """A lean adaptive explicit Runge–Kutta loop for autonomous flows that stop on their own test.
 
 diffrax's `diffeqsolve` is general: dense output, saving, events with root finding, adjoints.
-A flow that saves nothing and stops on a boolean test needs none of that, and at small sizes
+A flow that stops on a boolean test needs little of that, and at small sizes
 diffrax's per-step machinery costs about as much as the gradients themselves (measured in
 benchmarks/README: `other_integrators`). This loop takes the same steps as `diffeqsolve`
 with diffrax's `PIDController` (integral control, the same initial step, the same
@@ -10,7 +10,9 @@ accept/reject rule), but
 - the stopping test reads the last stage of a first-same-as-last tableau, which is the vector
   field at the accepted point: no extra gradient evaluation per step (diffrax evaluates an
   event's condition separately);
-- the carry is only (y, its vector field, t, dt, counters, status).
+- the carry is only (y, its vector field, t, dt, counters, status), and the samples where
+  some are asked for: taken, as `diffeqsolve`'s `SaveAt(ts=…, fn=…)` takes them, from each
+  accepted step's dense output (the solver's own interpolation).
 
 Under `vmap` every member keeps its own t and dt; the loop runs until the slowest member is done.
 """
@@ -59,6 +61,7 @@ class Integration(NamedTuple):
     num_steps: jax.Array
     num_accepted_steps: jax.Array
     num_rejected_steps: jax.Array
+    samples: object = None  # `sample` at each of `save_ts`, or None
 
 
 def _combine(y, coeffs, stages, h):
@@ -95,6 +98,9 @@ def integrate(
     factormax: float = 10.0,
     first_step: float = DIFFRAX_FIRST_STEP,
     stall_rejections: int = 0,
+    save_ts=None,
+    sample: Callable | None = None,
+    interpolation_cls=None,
 ) -> Integration:
     """Integrate dy/dt = f(y) from t = 0 towards `t1` with an embedded FSAL pair.
 
@@ -106,6 +112,10 @@ def integrate(
     also ends as out of steps after that many rejected steps in a row: a step size that no
     longer finds an acceptable step (it collapses to the rounding of t) would otherwise spend
     the rest of `max_steps` without moving y.
+
+    `save_ts` (non-decreasing local times within [0, `t1`]), `sample(t, y)` and the tableau's
+    dense output `interpolation_cls` (diffrax's, e.g. `Tsit5.interpolation_cls`): also
+    `sample` at those times (inf where the loop did not reach them), in `Integration.samples`.
     """
     if not tableau.fsal:
         raise ValueError("the lean Runge–Kutta loop needs a first-same-as-last tableau")
@@ -128,7 +138,7 @@ def integrate(
         f1, done1 = field(y1)
         stages.append(f1)
         err = _combine(jax.tree_util.tree_map(jnp.zeros_like, y), b_err, stages, h)
-        return y1, f1, done1, err
+        return y1, f1, done1, err, stages
 
     def cond(carry):
         return carry["outcome"] == RUNNING
@@ -137,7 +147,7 @@ def integrate(
         y, f, t, dt = carry["y"], carry["f"], carry["t"], carry["dt"]
         t_next = jnp.where(t + dt > t1_floor, t1, t + dt)
         h = t_next - t
-        y1, f1, done1, err = step(y, f, h)
+        y1, f1, done1, err, stages = step(y, f, h)
         finite = all_finite(y1)
         scaled = jax.tree_util.tree_map(
             lambda a, b, e: e / (atol + rtol * jnp.maximum(jnp.abs(a), jnp.abs(b))),
@@ -160,6 +170,12 @@ def integrate(
         t_new = jnp.where(accept, t_next, t)
         steps = carry["num_steps"] + 1
         accepted = carry["num_accepted_steps"] + accept
+        saved = {}
+        if save_ts is not None:
+            # diffrax's dense output takes the stages as increments, h·f_i
+            ks = jax.tree_util.tree_map(lambda *fs: jnp.stack([h * k for k in fs]), *stages)
+            interpolation = interpolation_cls(t0=t, t1=t_next, y0=y, y1=y1, k=ks)
+            saved = samples_within_step(save_ts, sample, interpolation, t_next, accept, carry)
         in_a_row = jnp.where(accept, 0, carry["rejected_in_a_row"] + 1)
         out_of_steps = steps >= max_steps
         if stall_rejections > 0:
@@ -178,6 +194,7 @@ def integrate(
             "num_steps": steps,
             "num_accepted_steps": accepted,
             "rejected_in_a_row": in_a_row.astype(jnp.int32),
+            **saved,
         }
 
     outcome0 = jnp.where(done0, STOPPED, jnp.where(t1 <= 0, REACHED_END, RUNNING))
@@ -192,7 +209,13 @@ def integrate(
         "num_accepted_steps": zero,
         "rejected_in_a_row": zero,
     }
+    if save_ts is not None:
+        save_ts = jnp.asarray(save_ts, dtype)
+        carry |= empty_samples(save_ts, sample, carry["t"], y0)
     out = jax.lax.while_loop(cond, body, carry)
+    samples = None
+    if save_ts is not None:
+        samples = samples_of_a_run(out, sample, carry["t"], t1, y0)
     return Integration(
         y=out["y"],
         t=out["t"],
@@ -200,4 +223,44 @@ def integrate(
         num_steps=out["num_steps"],
         num_accepted_steps=out["num_accepted_steps"],
         num_rejected_steps=out["num_steps"] - out["num_accepted_steps"],
+        samples=samples,
+    )
+
+
+def empty_samples(save_ts, sample, t0, y0) -> dict:
+    """A loop's carry for samples at `save_ts`: every row inf (not reached) until filled."""
+    shapes = jax.eval_shape(sample, t0, y0)
+    samples = jax.tree_util.tree_map(
+        lambda s: jnp.full((save_ts.shape[0], *s.shape), jnp.inf, s.dtype), shapes
+    )
+    return {"samples": samples, "save_index": jnp.asarray(0, jnp.int32)}
+
+
+def samples_within_step(save_ts, sample, interpolation, t_end, accepted, carry) -> dict:
+    """The samples at the times in `save_ts` that an accepted step ending at `t_end` passed,
+    from its dense output `interpolation` (none where the step was rejected), as
+    `diffeqsolve` takes them."""
+    n = save_ts.shape[0]
+
+    def more(state):
+        index, _ = state
+        return accepted & (index < n) & (save_ts[jnp.minimum(index, n - 1)] <= t_end)
+
+    def one(state):
+        index, samples = state
+        t = save_ts[index]
+        value = sample(t, interpolation.evaluate(t))
+        samples = jax.tree_util.tree_map(lambda a, v: a.at[index].set(v), samples, value)
+        return index + 1, samples
+
+    index, samples = jax.lax.while_loop(more, one, (carry["save_index"], carry["samples"]))
+    return {"save_index": index, "samples": samples}
+
+
+def samples_of_a_run(out, sample, t0, t1, y0):
+    """A loop's samples; a run of zero length samples y0 at every time, as `diffeqsolve`
+    does."""
+    at_y0 = sample(t0, y0)
+    return jax.tree_util.tree_map(
+        lambda a, b: jnp.where(t1 == t0, jnp.broadcast_to(b, a.shape), a), out["samples"], at_y0
     )

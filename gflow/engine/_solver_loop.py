@@ -23,7 +23,13 @@ import diffrax
 import jax
 import jax.numpy as jnp
 
-from ._runge_kutta import DIFFRAX_FIRST_STEP, end_floor
+from ._runge_kutta import (
+    DIFFRAX_FIRST_STEP,
+    empty_samples,
+    end_floor,
+    samples_of_a_run,
+    samples_within_step,
+)
 
 
 class SolverRun(NamedTuple):
@@ -65,6 +71,7 @@ def integrate_solver(
     solver_state = solver.init(term, t0, tnext, y0, args)
     kept = getattr(solver, "kept_on_rejection", ())
     t1_floor = end_floor(t1)
+    at = None if sample is None else (lambda t, y: sample(t, y, args))
 
     def unfinished(carry):
         return (carry["tprev"] < t1) & (carry["result"] == diffrax.RESULTS.successful)
@@ -96,7 +103,7 @@ def integrate_solver(
         }
         if save_ts is not None:
             interpolation = solver.interpolation_cls(t0=carry["tprev"], t1=carry["tnext"], **dense)
-            saved = _save_within(save_ts, sample, args, interpolation, carry["tnext"], keep, carry)
+            saved = samples_within_step(save_ts, at, interpolation, carry["tnext"], keep, carry)
         y = select(y1, y)
         result = diffrax.RESULTS.where(keep, solver_result, diffrax.RESULTS.successful)
         result = diffrax.RESULTS.where(
@@ -131,21 +138,9 @@ def integrate_solver(
     }
     if save_ts is not None:
         save_ts = jnp.asarray(save_ts, dtype)
-        shapes = jax.eval_shape(sample, t0, y0, args)
-        carry["samples"] = jax.tree_util.tree_map(
-            lambda s: jnp.full((save_ts.shape[0], *s.shape), jnp.inf, s.dtype), shapes
-        )
-        carry["save_index"] = zero
+        carry |= empty_samples(save_ts, at, t0, y0)
     out = jax.lax.while_loop(running, body, carry)
-    samples = None
-    if save_ts is not None:
-        # a solve of zero length samples y0 at every time, as diffeqsolve does
-        at_y0 = sample(t0, y0, args)
-        samples = jax.tree_util.tree_map(
-            lambda a, b: jnp.where(t1 == t0, jnp.broadcast_to(b, a.shape), a),
-            out["samples"],
-            at_y0,
-        )
+    samples = None if save_ts is None else samples_of_a_run(out, at, t0, t1, y0)
     result = diffrax.RESULTS.where(
         unfinished(out), diffrax.RESULTS.max_steps_reached, out["result"]
     )
@@ -158,23 +153,3 @@ def integrate_solver(
         num_accepted_steps=out["num_accepted_steps"],
         samples=samples,
     )
-
-
-def _save_within(save_ts, sample, args, interpolation, t_end, keep, carry) -> dict:
-    """The samples at the times in `save_ts` the accepted step ending at `t_end` passed, from
-    its dense output `interpolation` (none where the step is rejected)."""
-    n = save_ts.shape[0]
-
-    def more(state):
-        index, _ = state
-        return keep & (index < n) & (save_ts[jnp.minimum(index, n - 1)] <= t_end)
-
-    def one(state):
-        index, samples = state
-        t = save_ts[index]
-        value = sample(t, interpolation.evaluate(t), args)
-        samples = jax.tree_util.tree_map(lambda a, v: a.at[index].set(v), samples, value)
-        return index + 1, samples
-
-    index, samples = jax.lax.while_loop(more, one, (carry["save_index"], carry["samples"]))
-    return {"save_index": index, "samples": samples}
