@@ -353,8 +353,8 @@ def loss_clock_phase(
             max_steps,
             CONTINUE,
             stall_rejections,
-            grid,
-            args,
+            grid=grid,
+            args=args,
         )
     if stall_rejections > 0 and isinstance(setup.controller, FiniteErrorPID):
         controller = dataclasses.replace(setup.controller, stall_rejections=stall_rejections)
@@ -389,26 +389,36 @@ def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean)
     stopping rule fires."""
     grid = _sample_grid(setup, y0, t_offset, t1)
     args = FieldArgs(setup.problem, t_offset, False, setup.layer_mask)
+    spacing = _spacing_evals(setup)
     if lean:
-        spacing = _spacing_evals(setup)
         run = lean_phase(
-            setup, solver, physical_rates, y0, t1, max_steps, Status.T_MAX, 0, grid, args, spacing
+            setup,
+            solver,
+            physical_rates,
+            y0,
+            t1,
+            max_steps,
+            Status.T_MAX,
+            grid=grid,
+            args=args,
+            extra_evals=spacing,
         )
-        return _with_samples(run, _within_phase(setup, run, t_offset))
-    sol = _diffeqsolve(
-        setup,
-        physical_field,
-        solver,
-        y0,
-        t1,
-        dt0,
-        args,
-        max_steps,
-        diffrax.Event({"stop": setup.stop}),
-        grid,
-    )
-    run = _diffrax_run(setup, sol, solver, Status.T_MAX, grid is not None, _spacing_evals(setup))
-    return _with_samples(run, _within_phase(setup, run, t_offset))
+    else:
+        sol = _diffeqsolve(
+            setup,
+            physical_field,
+            solver,
+            y0,
+            t1,
+            dt0,
+            args,
+            max_steps,
+            diffrax.Event({"stop": setup.stop}),
+            grid,
+        )
+        run = _diffrax_run(setup, sol, solver, Status.T_MAX, grid is not None, spacing)
+    samples = _within_phase(setup, run.samples, t_offset, run.t)
+    return PhaseRun(run.y, run.t, run.status, run.stats, samples)
 
 
 def _sample_grid(setup: Setup, y0, t_offset, t1):
@@ -436,18 +446,15 @@ def _spacing_evals(setup: Setup) -> int:
     return int(setup.save_ts is None and bool(setup.save))
 
 
-def _within_phase(setup: Setup, run: PhaseRun, t_offset) -> dict:
-    """A physical phase's samples, with requested `save_ts` outside the phase (clipped into
-    it by `_sample_grid`) marked invalid."""
+def _within_phase(setup: Setup, samples: dict, t_offset, t_end) -> dict:
+    """A physical phase's `samples` (the phase ran from `t_offset` for `t_end`), with
+    requested `save_ts` outside the phase (clipped into it by `_sample_grid`) marked
+    invalid."""
     if setup.save_ts is None:
-        return run.samples
-    ts = jnp.asarray(setup.save_ts, run.t.dtype)
-    inside = (ts >= t_offset) & (ts <= t_offset + run.t)
-    return run.samples | {"t": jnp.where(inside, run.samples["t"], jnp.inf)}
-
-
-def _with_samples(run: PhaseRun, samples: dict) -> PhaseRun:
-    return PhaseRun(run.y, run.t, run.status, run.stats, samples)
+        return samples
+    ts = jnp.asarray(setup.save_ts, t_end.dtype)
+    inside = (ts >= t_offset) & (ts <= t_offset + t_end)
+    return samples | {"t": jnp.where(inside, samples["t"], jnp.inf)}
 
 
 def stiff_phase(setup: Setup, solver, y0, t_offset, t1, max_steps) -> PhaseRun:
@@ -490,8 +497,8 @@ def stiff_phase(setup: Setup, solver, y0, t_offset, t1, max_steps) -> PhaseRun:
         solver_code=solver_code(run.result),
         **_linear_work(run.solver_state),
     )
-    phase = PhaseRun(run.y, run.t, status, stats, {} if grid is None else dict(run.samples))
-    return _with_samples(phase, _within_phase(setup, phase, t_offset))
+    samples = {} if grid is None else _within_phase(setup, dict(run.samples), t_offset, run.t)
+    return PhaseRun(run.y, run.t, status, stats, samples)
 
 
 def _diffeqsolve(setup: Setup, field, solver, y0, t1, dt0, args, max_steps, event, grid):

@@ -101,6 +101,7 @@ def integrate_solver(
         solver_state = {
             k: v if k in kept else select(v, old_state[k]) for k, v in new_state.items()
         }
+        saved = {}
         if save_ts is not None:
             interpolation = solver.interpolation_cls(t0=carry["tprev"], t1=carry["tnext"], **dense)
             saved = samples_within_step(save_ts, at, interpolation, carry["tnext"], keep, carry)
@@ -120,7 +121,7 @@ def integrate_solver(
             "result": result,
             "num_steps": carry["num_steps"] + 1,
             "num_accepted_steps": carry["num_accepted_steps"] + keep.astype(jnp.int32),
-            **(saved if save_ts is not None else {}),
+            **saved,
         }
 
     zero = jnp.asarray(0, jnp.int32)
