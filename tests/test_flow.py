@@ -545,6 +545,39 @@ def test_status_messages_name_the_phase_and_the_integrators_reason():
     assert result.status_message.startswith("converged in the explicit phase")
 
 
+def test_a_deferred_head_is_the_same_program_whatever_the_tail_options():
+    """`FlowOptions.head` may drop the tail's options from a deferred head's program key
+    only because that program never reads them: lowered with every one of them changed, the
+    head is the same program, text for text (its jaxpr traces the tail's tolerances, which
+    nothing uses and lowering drops)."""
+    from gflow.engine._options import TAIL_ONLY
+    from gflow.engine._solve import solve
+
+    changed = dict(
+        tail_rtol=1e-8,
+        tail_scale="entry",
+        rounding_floor=True,
+        rounding_allowance=True,
+        linear_solver="dense",
+        rosenbrock="rodas5p",
+        preconditioner="spectral",
+        gauss_newton="eigh",
+    )
+    assert sorted(changed) == sorted(TAIL_ONLY)
+    options = gflow.FlowOptions(rtol=1e-9, save=3, **changed)
+    head = options.head()
+    assert head == gflow.FlowOptions(rtol=1e-9, save=3)
+    problem = gflow.bernoulli(4, 4, 0.6, 1, key=0)
+    model = gflow.gaussian([4] * 3, 0.1, key=1)
+    lowered = lambda o, defer: (
+        jax.jit(lambda p, m: solve(p, m, o, observed=16, defer_tail=defer))
+        .lower(problem, model)
+        .as_text()
+    )
+    assert lowered(options, True) == lowered(head, True)
+    assert lowered(options, False) != lowered(head, False)  # the whole solve reads them
+
+
 def test_options_are_checked_not_rewritten_and_take_a_diffrax_solver():
     import diffrax
 

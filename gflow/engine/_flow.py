@@ -34,8 +34,13 @@ def _compiled_solver(
     axis = None if in_axes is None else "flows"
 
     observed = observed_bound(problem)
-    # a head that defers its tail runs no stiff solver: its tail program takes the rank
-    rank = None if defer_tail and options.stiff_tail else tangent_rank(problem, options, observed)
+    rank = None
+    if defer_tail and options.stiff_tail:
+        # a head that defers its tail runs no stiff solver: its tail program takes the rank
+        # and the tail's options, so heads that differ only there are one program
+        options = options.head()
+    else:
+        rank = tangent_rank(problem, options, observed)
 
     def make_fn():
         from ._solve import solve  # diffrax and the solvers: only to trace a program
@@ -298,6 +303,7 @@ def flow(
     a compiled program for the same shapes and options was reused). With `solver="auto"`, the
     stiff tail is a second program, compiled only when the flow reaches it (~45% of a whole
     flow's compile time), which goes on from where the first stopped, samples included.
+    Flows that differ only in how their tails are solved (`FlowOptions.head`) share the first.
 
     **Raises:** `ValueError` for a model that does not fit the problem or bad options. A
     diverging flow does not raise: its status is `Status.DIVERGED`.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -19,6 +20,17 @@ ROSENBROCK = ("auto", "rodas4p2", "rodas5p", "rodas4p", "rodas4")
 PRECONDITIONERS = ("gauss-newton", "spectral", "none")
 GAUSS_NEWTON = ("auto", "inverse", "eigh", "cholesky", "tangent")
 TAIL_SCALES = ("layer", "entry")
+# the options that only the stiff tail of `solver="auto"` reads (`FlowOptions.head`)
+TAIL_ONLY = (
+    "tail_rtol",
+    "tail_scale",
+    "rounding_floor",
+    "rounding_allowance",
+    "linear_solver",
+    "rosenbrock",
+    "preconditioner",
+    "gauss_newton",
+)
 
 
 def _times(ts):
@@ -279,6 +291,13 @@ class FlowOptions(eqx.Module):
     def stiff_tail(self) -> bool:
         """`solver="auto"`: an explicit phase, then the Rosenbrock tail if it has not converged."""
         return self.solver == "auto"
+
+    def head(self) -> FlowOptions:
+        """These options with the stiff tail's own (`TAIL_ONLY`) at their defaults: what the
+        flow before its tail depends on, where the tail is a program of its own. Flows that
+        differ only in how their tails are solved share that first program."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in TAIL_ONLY}
+        return dataclasses.replace(self, **defaults)
 
     @property
     def lean(self) -> bool:
