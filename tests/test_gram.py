@@ -434,20 +434,31 @@ def test_batched_gauss_newton_tail_equals_single_flows(cg_case):
     assert tail["factorizations"] <= 1.1 * alone["factorizations"]
 
 
+def _tail_under_plain_jit(problem, init, options):
+    """The flow of `init` at `options`, its stiff tail traced under a plain jit, so that a
+    patched module constant takes effect (gflow's program caches key on options, which do
+    not change), from the head program that flows of any tail options share."""
+    from gflow.engine import _solve
+
+    observed = _flow.observed_bound(problem)
+    head_program, _ = _flow._compiled_solver(problem, init, options, defer_tail=True)
+    head = head_program(problem, init)
+    assert head.status_label == "pending"
+    tail = lambda p, m, h: _solve.finish_tail(p, m, h, options, observed=observed)
+    return jax.jit(tail)(problem, init, head)
+
+
 def test_cg_started_from_the_previous_step_lands_on_the_same_endpoint(cg_case, monkeypatch):
     """Where the Gauss–Newton preconditioner is large, each stage's CG also starts from the
     previous step's stage solutions: forced here at |Ω| ≤ 64, the tail takes a different
-    number of CG iterations and ends on the same endpoint (the engine's `solve` under a plain
-    jit: gflow's program caches key on options, which do not change)."""
+    number of CG iterations and ends on the same endpoint."""
     from gflow.engine import _solve
     from gflow.engine._flow import observed_bound
 
     problem, init, _ = cg_case
     options = gflow.FlowOptions()
     observed = observed_bound(problem)
-    run = lambda: jax.jit(lambda p, m: _solve.solve(p, m, options, observed=observed))(
-        problem, init
-    )
+    run = lambda: _tail_under_plain_jit(problem, init, options)
     default = run()
     monkeypatch.setattr(_solve, "PREVIOUS_START_MIN_OBSERVED", 0)
     previous = run()
@@ -478,8 +489,7 @@ def test_cholesky_tail_over_several_blocks_lands_on_the_same_endpoint(cg_case, m
     problem, init, flow = cg_case
     observed = observed_bound(problem)
     monkeypatch.setattr(_gram, "CHOLESKY_BLOCK", 8)
-    options = gflow.FlowOptions(gauss_newton="cholesky")
-    result = jax.jit(lambda p, m: _solve.solve(p, m, options, observed=observed))(problem, init)
+    result = _tail_under_plain_jit(problem, init, gflow.FlowOptions(gauss_newton="cholesky"))
     assert result.status_label == "converged"
     assert result.work()["stiff tail"]["factorizations"] >= 1
     np.testing.assert_allclose(
