@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .engine import FlowOptions
-from .engine._options import CLOCKS, ROSENBROCK, TAIL_SCALES
+from .engine._options import CLOCKS, ROSENBROCK, TAIL_METHODS, TAIL_SCALES
 from .sweeps._spec import DEFAULTS
 
 EXAMPLE_SWEEP = Path(__file__).parent / "configs" / "sweep_example.toml"
@@ -101,6 +101,13 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
         default=FLOW_DEFAULTS.tail_scale,
         help="what the stiff tail's step error is relative to: each layer's RMS entry "
         "where an entry is smaller (layer, default) or each entry alone (entry)",
+    )
+    g.add_argument(
+        "--tail-method",
+        choices=list(TAIL_METHODS),
+        default=FLOW_DEFAULTS.tail_method,
+        help="how the stiff tail steps: rosenbrock (default) or radau (Radau IIA: far longer "
+        "steps where the top singular value runs off; dense P × P algebra)",
     )
     g.add_argument(
         "--rosenbrock",
@@ -196,6 +203,7 @@ def cmd_run(args) -> int:
         atol=args.atol,
         tail_rtol=args.tail_rtol,
         tail_scale=args.tail_scale,
+        tail_method=args.tail_method,
         rosenbrock=args.rosenbrock,
         rounding_floor=args.rounding_floor,
         rounding_allowance=args.rounding_allowance,

@@ -81,6 +81,16 @@ def _compiled_solver(
     )
 
 
+def tails_side_by_side(options: FlowOptions) -> bool:
+    """Whether stiff tails may run on threads side by side: not Radau IIA's
+    (`tail_method="radau"`). Two of its d = 8 tails on two threads grew the process by
+    ~23 MB/s (a 112-flow sweep reached 14 GB), where one at a time, and RODAS4P2's side by
+    side, hold steady; and a tail run beside another took other steps than alone (10,860
+    against 10,077). Raw eigh, LU and Cholesky calls side by side do not leak; the cause is
+    not found (benchmarks/README, "A Radau IIA tail")."""
+    return options.tail_method != "radau"
+
+
 def finish_tails(problem, model, head: FlowResult, options: FlowOptions, depths=None, threads=None):
     """The whole flows of a batch solved with `defer_tail=True` (`head`, from the initial
     `model`): each member whose stiff tail is pending runs it alone and unpadded (a program
@@ -105,6 +115,7 @@ class PendingTails:
     def __init__(self, problem, model, head: FlowResult, options: FlowOptions, depths=None):
         self.head = jax.tree_util.tree_map(np.asarray, head)
         self.depth = model.depth
+        self.options = options
         self.pending = np.flatnonzero(self.head.status == Status.PENDING)
         self.calls, self.rows, self.compile_time = [], 0, ALREADY_COMPILED
         if self.pending.size == 0:
@@ -130,6 +141,8 @@ class PendingTails:
 
     def finish(self, threads=None) -> FlowResult:
         """Run the calls, `threads` at a time (`finish_tails`), and assemble the batch."""
+        if not tails_side_by_side(self.options):
+            threads = 1
         with blas_threads_for(self.rows, side_by_side=threads_for(len(self.calls), threads)):
             return self.assemble(run_concurrently(self.calls, threads))
 

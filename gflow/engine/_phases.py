@@ -481,18 +481,20 @@ def stiff_phase(setup: Setup, solver, y0, t_offset, t1, max_steps) -> PhaseRun:
     stopped = run.result == diffrax.RESULTS.event_occurred
     status = _status(setup, run.y, run.result, stopped, False, Status.T_MAX)
     per_step = rhs_evals_per_step(solver)
+    counted = isinstance(run.solver_state, dict) and "evaluations" in run.solver_state
     stats = StepStats(
         num_steps=run.num_steps,
         num_accepted_steps=run.num_accepted_steps,
         num_rejected_steps=run.num_steps - run.num_accepted_steps,
-        # every stage of every step (and those solved again densely), the stopping rule at
-        # y0 and at each accepted point, the status at the end, and the samples' spacing
-        rhs_evals=per_step * run.num_steps
+        # every stage of every step (and those solved again densely; or the evaluations the
+        # solver counted itself), the stopping rule at y0 and at each accepted point, the
+        # status at the end, and the samples' spacing
+        rhs_evals=(run.solver_state["evaluations"] if counted else per_step * run.num_steps)
         + _redone_stages(run.solver_state)
         + setup.stop_evals * (run.num_accepted_steps + 1)
         + setup.status_evals
         + _spacing_evals(setup)
-        if per_step > 0
+        if per_step > 0 or counted
         else jnp.where(run.num_steps > 0, -1, _spacing_evals(setup)),
         solver_code=solver_code(run.result),
         **_linear_work(run.solver_state),

@@ -35,6 +35,7 @@ from ._phases import (
     stiff_phase,
     summary,
 )
+from ._radau import RADAU_STEP_LIMITS, RadauIIA
 from ._result import FlowResult, Phase, Status, Trajectory
 from ._rosenbrock import TABLEAUS, Rodas4, rounding_gain
 from ._stopping import default_atol
@@ -211,11 +212,11 @@ def _setup(problem, model, options: FlowOptions, layer_mask, observed=None) -> S
     atol = options.atol if options.atol is not None else default_atol(model, rtol, layer_mask)
     norm = {} if layer_mask is None else {"norm": MaskedRMS(layer_mask)}
 
-    def controller(rtol, atol, gain=0.0, layer_scale=False):
+    def controller(rtol, atol, gain=0.0, layer_scale=False, **limits):
         if options.fixed_step:
             return diffrax.ConstantStepSize()
         return FiniteErrorPID(
-            rtol=rtol, atol=atol, rounding_gain=gain, layer_scale=layer_scale, **norm
+            rtol=rtol, atol=atol, rounding_gain=gain, layer_scale=layer_scale, **norm, **limits
         )
 
     tail_rtol = rtol if options.tail_rtol is None else options.tail_rtol
@@ -228,7 +229,12 @@ def _setup(problem, model, options: FlowOptions, layer_mask, observed=None) -> S
         rtol=rtol,
         atol=atol,
         controller=controller(rtol, atol),
-        tail_controller=controller(*tail_tolerance, tail_gain, options.tail_scale == "layer"),
+        tail_controller=controller(
+            *tail_tolerance,
+            tail_gain,
+            options.tail_scale == "layer",
+            **(RADAU_STEP_LIMITS if options.tail_method == "radau" else {}),
+        ),
         tail_tolerance=tail_tolerance,
         t_max=jnp.asarray(options.t_max, model.layers[0].dtype),
         loss_floor=rtol * problem.loss(model.product()),
@@ -318,6 +324,13 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed, tangent_r
             factorization, rank = gauss_newton_factorization(options, entries), 0
         structured = GaussNewtonPreconditioner(entries, factorization, rank)
     from_previous = entries is not None and entries >= PREVIOUS_START_MIN_OBSERVED
+    if options.tail_method == "radau":
+        stiff = RadauIIA(
+            entries=setup.problem.mask.size if observed is None else observed,
+            jacobian=physical_jacobian,
+            step_tolerance=setup.tail_tolerance,
+        )
+        return {"loss clock": diffrax.Tsit5(), "explicit": diffrax.Tsit5(), "stiff": stiff}
     stiff = Rodas4(
         preconditioner=structured,
         preconditioner_rank=0 if options.preconditioner == "none" else 64,

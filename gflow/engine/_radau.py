@@ -1,0 +1,378 @@
+"""Three-stage Radau IIA for the stiff tail of gradient flows with a dense Hessian
+(`FlowOptions(tail_method="radau")`).
+
+Why (benchmarks/README, "A Radau IIA tail"): on flows whose top singular value runs off, the
+Hessian's stiff eigenvectors turn with X's top singular vectors within a step, and a
+Rosenbrock method, which linearises once a step, loses its accuracy past h ≈ 4e-5·t. A fully
+implicit collocation step whose Newton iteration sees each stage's own curvature does not,
+and is accurate at 100–250× the step. What makes that affordable is where the turning
+curvature lives: in the Gauss–Newton term GᵀG, G = ∂X_Ω/∂θ the Jacobian of the observed
+entries (rank ≤ |Ω|). Newton's matrix takes each stage's own G_i and the rest of the
+Hessian, R = ∇²loss − GᵀG (which the residual weights and which changes slowly), from an
+earlier point:
+
+    M = I + h(A ⊗ I)·diag(G_iᵀ G_i) + h(A ⊗ R₀).
+
+N₀ = I + h(A ⊗ R₀) is diagonal in Q ⊗ E (A = QΛQ⁻¹, R₀ = E diag(e) Eᵀ, an eigendecomposition
+refreshed every `refresh_every` steps and after a failed Newton iteration), and the stages'
+Gauss–Newton terms are a rank-3|Ω| correction, so M is solved through one 3|Ω| × 3|Ω|
+system (Woodbury). M is formed once a step, at the stages predicted by the previous step's
+collocation polynomial; Newton then costs three gradients and two passes through E a
+iteration. The local error is RADAU5's embedded estimate (Hairer & Wanner IV.8), refined once
+through f(y0 + err) where it exceeds the tolerance, with the same approximate Jacobian at y0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from ..model import partial_products
+from ._dynamics import entry_weights
+
+_S6 = np.sqrt(6.0)
+NODES = np.array([(4 - _S6) / 10, (4 + _S6) / 10, 1.0])
+A = np.array(
+    [
+        [(88 - 7 * _S6) / 360, (296 - 169 * _S6) / 1800, (-2 + 3 * _S6) / 225],
+        [(296 + 169 * _S6) / 1800, (88 + 7 * _S6) / 360, (-2 - 3 * _S6) / 225],
+        [(16 - _S6) / 36, (16 + _S6) / 36, 1 / 9],
+    ]
+)
+# RADAU5's error estimate: err = (γ₀/h − J)⁻¹ (f(y0) + Σ_i d_i z_i / h), γ₀ A⁻¹'s real eigenvalue.
+ESTIMATE = np.array([-(13 + 7 * _S6) / 3, (-13 + 7 * _S6) / 3, -1 / 3])
+
+
+# The tail controller's growth limit with Radau: Newton starts from the last step's collocation
+# polynomial, extrapolated past its step; beyond ~3× its length that start is poor and Newton
+# fails (measured on a d = 8 random mask's slow approach to its limit: failures at growth
+# 2.3–6×, accepted steps at 0.5–3×).
+RADAU_STEP_LIMITS = {"factormax": 3.0}
+# The error a step reports at least, by its Newton iterations: growth ≤ 3× up to 2 iterations,
+# 1.5× at 3, none from 4 (0.9·err^(−1/4) = growth).
+NEWTON_ERROR = tuple((0.9 / g) ** 4 for g in (3.0, 3.0, 3.0, 1.5, 1.0))
+
+
+def _eigen():
+    """A = QΛQ⁻¹ ordered (real, λ, conj λ), and the weights Q_ik (Q⁻¹A)_kj, (i, k, j)."""
+    values, vectors = np.linalg.eig(A)
+    order = np.argsort(np.imag(values))[[1, 2, 0]]
+    values, vectors = values[order], vectors[:, order]
+    inverse = np.linalg.inv(vectors)
+    mix = vectors[:, :, None] * (inverse @ A)[None, :, :]
+    return values, vectors, inverse, mix
+
+
+LAMBDA, Q, Q_INVERSE, MIX = _eigen()
+GAMMA0 = float(np.real(1 / LAMBDA[0]))
+
+
+def _lagrange(theta):
+    """Weights of the stage increments z_i in the collocation polynomial at θ (z(0) = 0)."""
+    nodes = np.concatenate([[0.0], NODES])
+    weights = []
+    for k in range(1, 4):
+        w = 1.0
+        for j in range(4):
+            if j != k:
+                w = w * (theta - nodes[j]) / (nodes[k] - nodes[j])
+        weights.append(w)
+    return jnp.stack(weights, axis=-1)
+
+
+class RadauInterpolation(diffrax.AbstractLocalInterpolation):
+    """The collocation polynomial of a step: y0 + Σ_i ℓ_i(θ) z_i, ℓ_i the Lagrange basis on
+    (0, c₁, c₂, 1) that vanishes at 0."""
+
+    t0: jax.Array
+    t1: jax.Array
+    y0: object
+    stages: object  # the increments z_i = Y_i − y0, with a leading axis of 3
+
+    def evaluate(self, t0, t1=None, left=True):
+        del left
+        if t1 is not None:
+            return jax.tree_util.tree_map(jnp.subtract, self.evaluate(t1), self.evaluate(t0))
+        length = self.t1 - self.t0
+        theta = jnp.where(length != 0, (t0 - self.t0) / jnp.where(length != 0, length, 1.0), 1.0)
+        weights = _lagrange(theta)
+        return jax.tree_util.tree_map(
+            lambda y, z: y + jnp.tensordot(weights, z, axes=1), self.y0, self.stages
+        )
+
+
+def stage_system(g, h, e, basis):
+    """The factorised Newton matrix of a step, M = I + h(A ⊗ I)·diag(G_iᵀG_i) + h(A ⊗ R₀),
+    from the stages' observed Jacobians `g` (3, m, P) and R₀ = E diag(e) Eᵀ (`e`, `basis`):
+    N₀ = I + h(A ⊗ R₀) is diagonal in Q ⊗ E (A = QΛQ⁻¹), and Woodbury leaves the 3m × 3m
+    system I + V N₀⁻¹ U, U = h(A ⊗ I)·diag(G_iᵀ), V = diag(G_i), whose (i, j) block is
+    h Σ_k Q_ik (Q⁻¹A)_kj Ĝ_i diag(1/(1 + hλ_k e)) Ĝ_jᵀ with Ĝ = G E. It is real: the complex
+    pair's two terms are conjugate, so it takes three real products."""
+    m, size = g.shape[1], g.shape[2]
+    dtype = g.dtype
+    inverse = 1.0 / (1.0 + h * jnp.asarray(LAMBDA)[:, None] * e[None, :])
+    weights = jnp.stack([jnp.real(inverse[0]), jnp.real(inverse[1]), jnp.imag(inverse[1])])
+    g_hat = (g @ basis).reshape(3 * m, size)
+    kernels = (g_hat[None] * weights[:, None, :]).reshape(9 * m, size) @ g_hat.T
+    spread = lambda w: jnp.kron(jnp.asarray(w, dtype), jnp.ones((m, m), dtype))
+    mixes = (
+        spread(np.real(MIX[:, 0])),
+        spread(2 * np.real(MIX[:, 1])),
+        -spread(2 * np.imag(MIX[:, 1])),
+    )
+    capacity = sum(w * k for w, k in zip(mixes, kernels.reshape(3, 3 * m, 3 * m), strict=True))
+    return g, jax.scipy.linalg.lu_factor(jnp.eye(3 * m, dtype=dtype) + h * capacity)
+
+
+def stage_solve(system, h, e, basis, rhs):
+    """M⁻¹ rhs (rhs: (3, P), a row per stage) for M of `stage_system`."""
+    g, capacity = system
+    q, q_inverse = jnp.asarray(Q), jnp.asarray(Q_INVERSE)
+    scale = 1.0 + h * jnp.asarray(LAMBDA)[:, None] * e[None, :]
+
+    def n0_solve(x):
+        x = (q_inverse @ (x @ basis).astype(q.dtype)) / scale
+        return jnp.real(q @ x) @ basis.T
+
+    u = n0_solve(rhs)
+    c = jax.scipy.linalg.lu_solve(capacity, jnp.einsum("iop,ip->io", g, u).reshape(-1))
+    a = jnp.asarray(A, rhs.dtype)
+    return u - n0_solve(h * a @ jnp.einsum("iop,io->ip", g, c.reshape(3, g.shape[1])))
+
+
+def observed_jacobian(model, problem, layer_mask, entries: int):
+    """G = ∂X_Ω/∂θ (`entries` × P, rows past the observed count zero), in closed form:
+    ∂X_ij/∂(W_l)_ab = (W_L⋯W_{l+1})_ia (W_{l−1}⋯W_1)_bj; frozen layers' columns zero."""
+    layers = model.layers
+    count = jnp.sum(problem.mask == 1)
+    rows, cols = jnp.nonzero(problem.mask == 1, size=entries, fill_value=0)
+    valid = (jnp.arange(entries) < count).astype(layers[0].dtype)
+    below, above = partial_products(layers)
+    blocks = [
+        (above[k][rows][:, :, None] * below[k][:, cols].T[:, None, :]).reshape(entries, -1)
+        for k in range(len(layers))
+    ]
+    g = valid[:, None] * jnp.concatenate(blocks, axis=1)
+    if layer_mask is not None:
+        g = g * entry_weights(model, layer_mask)[None, :]
+    return g
+
+
+class RadauIIA(diffrax.AbstractAdaptiveSolver):
+    """Radau IIA (order 5) for y' = f(y) = −∇loss on a factorisation (module docstring).
+
+    - `entries`: a static bound on the observed entries (`_flow.observed_bound`).
+    - `jacobian`: (t, y, args) ↦ the dense Jacobian −∇²loss of the model's rates.
+    - `passive`: top-level entries of y (the energy integral) whose rates depend on the model
+      only; their stages follow from the model's, their error from the same estimate.
+    - `step_tolerance`: the tail's (rtol, atol): Newton stops where its last correction of
+      the step is `newton_tol` of it (RMS, each entry's tolerance taken with its layer's RMS
+      size as floor, as the tail's controller does), and fails after `max_newton`
+      iterations or where a correction grows.
+    - `refresh_every`: steps between eigendecompositions of R₀ (an approximate Newton matrix
+      costs iterations, never accuracy: the stage equations are solved to `newton_tol`).
+
+    State: R₀'s eigendecomposition and the steps since (`age`), whether Newton failed on the
+    last attempt (`stale`: R₀ is refreshed before the retry), the last accepted step's stage
+    increments and length (Newton's start), and the work: Newton iterations (`iters`),
+    factorisations (`factorizations`: eigendecompositions and Newton matrices) and
+    evaluations of the rates (`evaluations`).
+    """
+
+    term_structure: ClassVar = diffrax.AbstractTerm
+    interpolation_cls: ClassVar[Callable[..., RadauInterpolation]] = RadauInterpolation
+    # A refreshed R₀ is valid where the retry starts (the same y0); a failure's `stale` flag
+    # must reach the retry; work done is work done.
+    kept_on_rejection: ClassVar[tuple[str, ...]] = (
+        "residual",
+        "age",
+        "stale",
+        "iters",
+        "factorizations",
+        "evaluations",
+    )
+    entries: int
+    jacobian: Callable
+    step_tolerance: tuple
+    passive: tuple[str, ...] = ("energy",)
+    newton_tol: float = 0.03
+    max_newton: int = 7
+    refresh_every: int = 50
+    newton_floor: float = 0.5
+
+    def order(self, terms):
+        return 5
+
+    def error_order(self, terms):
+        return 4  # the embedded estimate is O(h⁴): the controller steps by err^(−1/4)
+
+    def _split(self, y):
+        active = {k: v for k, v in y.items() if k not in self.passive}
+        return active, {k: v for k, v in y.items() if k in self.passive}
+
+    def init(self, terms, t0, t1, y0, args):
+        flat, _ = ravel_pytree(self._split(y0)[0])
+        size = flat.shape[0]
+        zero = jnp.asarray(0, jnp.int32)
+        return {
+            "residual": (jnp.zeros(size, flat.dtype), jnp.eye(size, dtype=flat.dtype)),
+            "age": zero,
+            "stale": jnp.asarray(True),
+            "z": jnp.zeros((3, size), flat.dtype),
+            "h": jnp.zeros((), flat.dtype),
+            "iters": zero,
+            "factorizations": zero,
+            "evaluations": zero,
+        }
+
+    def func(self, terms, t0, y0, args):
+        return terms.vf(t0, y0, args)
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        del made_jump
+        active0, passive0 = self._split(y0)
+        flat0, unravel = ravel_pytree(active0)
+        passive_flat0, unravel_passive = ravel_pytree(passive0)
+        h = t1 - t0
+        rtol, atol = self.step_tolerance
+        a = jnp.asarray(A, flat0.dtype)
+
+        def rates(flat):
+            dy = terms.vf(t0, {**unravel(flat), **passive0}, args)
+            active, passive = self._split(dy)
+            return ravel_pytree(active)[0], ravel_pytree(passive)[0]
+
+        def model_of(flat):
+            return unravel(flat)["model"]
+
+        def gauss_newton_rows(flat):
+            return observed_jacobian(model_of(flat), args.problem, args.layer_mask, self.entries)
+
+        def residual_part():
+            # R₀'s part of the rates' Jacobian: −(∇²loss − GᵀG) = J + GᵀG
+            g = gauss_newton_rows(flat0)
+            r0 = self.jacobian(t0, y0, args) + g.T @ g
+            return tuple(jnp.linalg.eigh(0.5 * (r0 + r0.T)))
+
+        refresh = solver_state["stale"] | (solver_state["age"] >= self.refresh_every)
+        e, basis = jax.lax.cond(refresh, residual_part, lambda: solver_state["residual"])
+        e = -e  # R₀'s eigenvalues (the state holds those of −R₀)
+        layer_rms = jnp.concatenate(
+            [jnp.full(w.size, jnp.sqrt(jnp.mean(w**2))) for w in jax.tree_util.tree_leaves(active0)]
+        )
+        tol = atol + rtol * jnp.maximum(jnp.abs(flat0), layer_rms)
+
+        # Newton's start: the last step's collocation polynomial at this step's nodes.
+        previous = solver_state["h"]
+        ratio = jnp.where(previous > 0, h / jnp.where(previous > 0, previous, 1.0), 0.0)
+        z_last = solver_state["z"]
+        at = _lagrange(1.0 + jnp.asarray(NODES) * ratio) - _lagrange(jnp.asarray(1.0))[None]
+        z0 = jnp.where(previous > 0, at @ z_last, 0.0)
+
+        # M at the predicted stages (module docstring), formed again once at the current
+        # stages where a correction grows (a poor start: the step grew past what the last
+        # step's polynomial predicts).
+        def newton_matrix(z):
+            g = jax.vmap(gauss_newton_rows)(flat0[None] + z)  # (3, m, P)
+            return stage_system(g, h, e, basis)
+
+        def solve(matrix, rhs):
+            return stage_solve(matrix, h, e, basis, rhs)
+
+        def newton(carry):
+            z, it, change, growing, matrix, formed = carry
+            again = growing & (formed < 2)
+            matrix = jax.lax.cond(again, newton_matrix, lambda _: matrix, z)
+            formed = formed + again.astype(jnp.int32)
+            f, _ = jax.vmap(rates)(flat0[None] + z)
+            dz = solve(matrix, -(z - h * a @ f))
+            new = jnp.sqrt(jnp.mean((dz[2] / tol) ** 2))
+            growing = (it > 0) & (new > change)
+            return z + dz, it + 1, new, growing, matrix, formed
+
+        def going(carry):
+            _, it, change, growing, _, formed = carry
+            return (
+                (it < self.max_newton)
+                & (change > self.newton_tol)
+                & jnp.isfinite(change)
+                & ~(growing & (formed >= 2))
+            )
+
+        big = jnp.asarray(1e300, flat0.dtype)
+        one = jnp.asarray(1, jnp.int32)
+        start = (z0, jnp.asarray(0, jnp.int32), big, jnp.asarray(False), newton_matrix(z0), one)
+        z, iterations, change, stalled, _, formed = jax.lax.while_loop(going, newton, start)
+        # Where the corrections stop shrinking below the tolerance, they are rounding in the
+        # stage rates (h·f to ~1e-3 of itself late in a flow): the stages are then as good as
+        # float64 allows, and the error estimate decides the step.
+        converged = (change <= self.newton_tol) | (stalled & (change <= self.newton_floor))
+        y1_flat = flat0 + z[2]
+
+        # RADAU5's estimate, with the same approximate Jacobian at y0: (γ₀/h − J₀)⁻¹ through
+        # R₀'s eigenbasis and G₀ (one |Ω| × |Ω| system).
+        g0 = gauss_newton_rows(flat0) @ basis
+        # Directions of negative curvature (R₀'s negative eigenvalues: a saddle) are left
+        # unfiltered: (γ₀/h − μ)⁻¹ with μ > 0 would amplify the estimate near h = γ₀/μ.
+        diagonal = GAMMA0 / h + jnp.maximum(e, 0.0)
+        small = jax.scipy.linalg.lu_factor(
+            jnp.eye(self.entries, dtype=flat0.dtype) + (g0 / diagonal) @ g0.T
+        )
+
+        def estimate_solve(rhs):
+            x = (rhs @ basis) / diagonal
+            x = x - (jax.scipy.linalg.lu_solve(small, g0 @ x) @ g0) / diagonal
+            return x @ basis.T
+
+        stage_rates, stage_passive = jax.vmap(rates)(flat0[None] + z)
+        (f0, p0), jvp = jax.linearize(rates, flat0)
+        combined = jnp.asarray(ESTIMATE, flat0.dtype) @ z / h
+        err = estimate_solve(f0 + combined)
+        y1_tol = atol + rtol * jnp.maximum(jnp.maximum(jnp.abs(flat0), jnp.abs(y1_flat)), layer_rms)
+        err_size = lambda x: jnp.sqrt(jnp.mean((x / y1_tol) ** 2))
+        refine = err_size(err) > 1
+        err = jax.lax.cond(
+            refine, lambda x: estimate_solve(rates(flat0 + x)[0] + combined), lambda x: x, err
+        )
+
+        # Passive rows: stages by collocation on the model's stages, error from the same
+        # estimate (γ₀/h)·err_p − (∂f_p/∂θ)·err = f_p(y0) + Σ d_i z_p,i / h.
+        z_passive = h * a @ stage_passive
+        p1 = passive_flat0 + z_passive[2]
+        err_passive = (h / GAMMA0) * (
+            p0 + jnp.asarray(ESTIMATE, flat0.dtype) @ z_passive / h + jvp(err)[1]
+        )
+
+        # Newton-aware growth (as RADAU5's safety factor): a step that took many iterations
+        # reports at least NEWTON_ERROR[iterations] × its tolerance, so that the controller
+        # (0.9·err^(−1/4)) grows the next step less; below 1 it never rejects one.
+        floor = jnp.asarray(NEWTON_ERROR, flat0.dtype)[
+            jnp.minimum(iterations, len(NEWTON_ERROR) - 1)
+        ]
+        err = err + floor * y1_tol * jnp.where(err < 0, -1.0, 1.0)
+        ok = converged & jnp.all(jnp.isfinite(y1_flat)) & jnp.all(jnp.isfinite(err))
+        y1 = {**unravel(y1_flat), **unravel_passive(p1)}
+        y_error = {
+            **unravel(jnp.where(ok, err, jnp.inf)),
+            **unravel_passive(jnp.where(ok, err_passive, jnp.inf)),
+        }
+        stages = {**jax.vmap(unravel)(z), **jax.vmap(unravel_passive)(z_passive)}
+        evaluations = 3 * iterations + 3 + 1 + refine.astype(jnp.int32)
+        new_state = {
+            "residual": (-e, basis),
+            "age": jnp.where(refresh, 1, solver_state["age"] + 1).astype(jnp.int32),
+            "stale": ~ok,
+            "z": z,
+            "h": h,
+            "iters": solver_state["iters"] + iterations.astype(jnp.int32),
+            "factorizations": solver_state["factorizations"] + formed + refresh.astype(jnp.int32),
+            "evaluations": solver_state["evaluations"] + evaluations.astype(jnp.int32),
+        }
+        dense_info = dict(y0=y0, stages=stages)
+        return y1, y_error, dense_info, new_state, diffrax.RESULTS.successful

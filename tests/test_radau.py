@@ -1,0 +1,150 @@
+"""The Radau IIA stiff tail (`FlowOptions(tail_method="radau")`, gflow/engine/_radau.py): its
+linear algebra against the dense Newton matrix, its pieces against their definitions, and its
+flows against Rosenbrock references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gflow
+from gflow.engine import _radau
+
+
+def _dense_newton_matrix(g, r, h):
+    blocks = [[_radau.A[i, j] * (g[j].T @ g[j] + r) for j in range(3)] for i in range(3)]
+    return np.eye(3 * r.shape[0]) + h * np.block(blocks)
+
+
+@pytest.mark.parametrize("h", [0.7, 1e3])
+def test_the_stage_system_is_solved_as_the_dense_newton_matrix(h):
+    """Woodbury through R₀'s eigenbasis and A's eigenvalues against the 3P × 3P matrix."""
+    rng = np.random.default_rng(0)
+    m, size = 5, 12
+    g = rng.standard_normal((3, m, size))
+    r = rng.standard_normal((size, size))
+    r = 0.01 * (r + r.T)  # indefinite, as a residual's curvature is
+    e, basis = np.linalg.eigh(r)
+    rhs = rng.standard_normal((3, size))
+    args = (h, jnp.asarray(e), jnp.asarray(basis))
+    system = _radau.stage_system(jnp.asarray(g), *args)
+    x = np.asarray(_radau.stage_solve(system, *args, jnp.asarray(rhs)))
+    matrix = _dense_newton_matrix(g, r, h)
+    expected = np.linalg.solve(matrix, rhs.reshape(-1)).reshape(3, size)
+    residual = np.linalg.norm(matrix @ x.reshape(-1) - rhs.reshape(-1))
+    assert residual <= 1e-10 * np.linalg.norm(matrix, 2) * np.linalg.norm(x)
+    np.testing.assert_allclose(x, expected, rtol=1e-8, atol=1e-10 * np.abs(expected).max())
+
+
+def test_the_observed_jacobian_is_that_of_the_observed_entries_padded_and_masked():
+    problem = gflow.bernoulli(5, 4, 0.5, 2, key=0)
+    model = gflow.gaussian([4, 3, 3, 5], 0.7, key=1)
+    flat, unravel = jax.flatten_util.ravel_pytree(model)
+    observed = np.flatnonzero(np.asarray(problem.mask).reshape(-1) == 1)
+    expected = jax.jacfwd(lambda v: unravel(v).product().reshape(-1)[observed])(flat)
+    entries = observed.size + 7  # a bound, as for a batch: rows past the count are zero
+    g = _radau.observed_jacobian(model, problem, None, entries)
+    np.testing.assert_allclose(g[: observed.size], expected, rtol=1e-13, atol=1e-14)
+    assert not np.any(np.asarray(g[observed.size :]))
+    frozen = _radau.observed_jacobian(model, problem, jnp.asarray([1.0, 0.0, 1.0]), entries)
+    middle = slice(model.layers[0].size, model.layers[0].size + model.layers[1].size)
+    assert not np.any(np.asarray(frozen[:, middle]))
+    np.testing.assert_array_equal(frozen[:, middle.stop :], g[:, middle.stop :])
+
+
+def test_the_dense_output_is_the_collocation_polynomial():
+    """Stage increments of a cubic with p(0) = 0, read back between and beyond the nodes."""
+    p = lambda theta: theta + 2 * theta**2 - 3 * theta**3
+    stages = {"x": jnp.asarray(p(_radau.NODES))[:, None] * jnp.asarray([[1.0, -2.0]])}
+    y0 = {"x": jnp.asarray([0.5, 1.5])}
+    dense = _radau.RadauInterpolation(t0=2.0, t1=4.0, y0=y0, stages=stages)
+    for theta in (0.0, 0.3, 0.9, 1.0):
+        got = dense.evaluate(2.0 + 2.0 * theta)["x"]
+        np.testing.assert_allclose(got, [0.5 + p(theta), 1.5 - 2 * p(theta)], atol=1e-14)
+
+
+def test_tail_method_is_checked():
+    with pytest.raises(ValueError, match="tail_method"):
+        gflow.FlowOptions(tail_method="radau5")
+    with pytest.raises(ValueError, match="has no tail"):
+        gflow.FlowOptions(solver="tsit5", tail_method="radau")
+    with pytest.raises(ValueError, match="rounding_allowance"):
+        gflow.FlowOptions(tail_method="radau", rounding_allowance=True)
+
+
+@pytest.fixture(scope="module")
+def radau_case():
+    """tests/test_stiff.py's stiff d = 8 case (a random mask, depth 3, α = 0.05), its flow
+    with the Radau tail, and the rtol-1e-12 Rosenbrock reference."""
+    problem = gflow.bernoulli(8, 8, 0.4, 1, key=0)
+    init = gflow.gaussian([8] * 4, 0.05, key=1)
+    radau = gflow.flow(problem, init, tail_method="radau")
+    reference = gflow.flow(problem, init, solver="rodas4", rtol=1e-12)
+    return problem, init, radau, reference
+
+
+def test_the_radau_tail_lands_on_the_reference_and_counts_its_work(radau_case):
+    problem, init, radau, reference = radau_case
+    assert radau.status_label == "converged" and reference.status_label == "converged"
+    assert radau.end_phase == gflow.Phase.STIFF_TAIL
+    assert float(radau.loss) <= 1e-20 * float(radau.loss_init)
+    s = np.asarray(gflow.singular_values(reference.model))
+    top = int(np.sum(s >= 1e-5 * s[0]))
+    distance = gflow.endpoint_distance(radau, reference, problem, top=top)
+    assert distance["singular_values"] <= 1e-8, distance
+    assert distance["unobserved"] <= 1e-8, distance
+    tail = radau.work()["stiff tail"]
+    # Newton iterations, Newton matrices and evaluations of the rates, all counted
+    assert tail["linear_iters"] >= tail["steps"] > 0
+    assert tail["factorizations"] >= tail["steps"]
+    assert tail["rhs_evals"] >= 3 * tail["linear_iters"] + 4 * tail["steps"]
+    assert int(radau.num_rhs_evals) == sum(p["rhs_evals"] for p in radau.work().values())
+
+
+def test_a_radau_flow_that_saves_samples_is_the_flow_that_saves_none(radau_case):
+    problem, init, radau, _ = radau_case
+    saved = gflow.flow(problem, init, tail_method="radau", save=6)
+    np.testing.assert_array_equal(saved.model.product(), radau.model.product())
+    trajectory = saved.trajectory.compress()
+    t = np.asarray(trajectory.t)
+    assert np.all(np.diff(t) >= 0) and t[-1] > 0.5 * float(radau.t_end)
+    assert np.all(np.isfinite(np.asarray(trajectory.loss)))
+
+
+def test_the_energy_integral_rides_through_the_radau_tail(radau_case):
+    """The energy ∫‖∇loss‖² dt, a passive state whose stages follow the model's, closes the
+    energy balance (docs/theory.md's certificate) through the tail."""
+    problem, init, radau, _ = radau_case
+    certified = gflow.flow(problem, init, tail_method="radau", certificates=True)
+    assert certified.status_label == "converged"
+    assert gflow.energy_residual(certified) <= 1e-9
+    np.testing.assert_allclose(certified.model.product(), radau.model.product(), atol=1e-9)
+
+
+def test_a_batch_of_radau_tails_equals_its_flows_one_by_one(radau_case):
+    """Under vmap (`tails="batch"`) every member steps while any runs; the finished ones'
+    steps are thrown away, and the running ones take their own."""
+    problem, init, radau, _ = radau_case
+    easy = gflow.gaussian([8] * 4, 0.5, key=3)
+    options = gflow.FlowOptions(tail_method="radau")
+    batch = gflow.flow_batch(problem, gflow.stack([init, easy]), options, tails="batch")
+    for i, single in enumerate((radau, gflow.flow(problem, easy, options))):
+        member = batch.member(i)
+        assert member.status_label == single.status_label == "converged"
+        np.testing.assert_allclose(member.model.product(), single.model.product(), atol=1e-9)
+
+
+@pytest.mark.slow
+def test_the_radau_tail_finishes_a_run_off_flow_on_the_rtol_1e_12_reference():
+    """A d = 8 sweep point whose σ₁ runs off to 743 before σ₃ escapes (depth 4, α = 1e-2,
+    seed 2 of the `scale` benchmark's sweep): the top two singular values against RODAS5P at
+    rtol 1e-12 (measured 1.7e-10 and 7.0e-10; σ₃, which escapes last, 2.8e-8 against the
+    Rosenbrock tail's 8.0e-9: benchmarks/README, "A Radau IIA tail")."""
+    from benchmarks.runoff import sweep_point
+
+    problem, init = sweep_point(4, 1e-2, 2)
+    radau = gflow.flow(problem, init, tail_method="radau")
+    reference = gflow.flow(problem, init, rtol=1e-12, rosenbrock="rodas5p", max_steps=400_000)
+    assert radau.status_label == "converged" and reference.status_label == "converged"
+    s, r = (np.asarray(gflow.singular_values(x.model))[:2] for x in (radau, reference))
+    np.testing.assert_allclose(s, r, rtol=1e-8)
