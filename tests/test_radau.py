@@ -70,6 +70,10 @@ def test_tail_method_is_checked():
         gflow.FlowOptions(solver="tsit5", tail_method="radau")
     with pytest.raises(ValueError, match="rounding_allowance"):
         gflow.FlowOptions(tail_method="radau", rounding_allowance=True)
+    solver = _radau.RadauIIA(entries=4, jacobian=None, step_tolerance=(1e-10, 1e-12))
+    too_large = {"model": gflow.gaussian([65, 65], 0.1, key=0), "energy": jnp.zeros(())}
+    with pytest.raises(ValueError, match="P = 4225 > 4096"):
+        solver.init(None, 0.0, 1.0, too_large, None)
 
 
 @pytest.fixture(scope="module")

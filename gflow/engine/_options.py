@@ -129,8 +129,11 @@ class FlowOptions(eqx.Module):
       Gauss–Newton curvature (engine/_radau.py). On flows whose top singular value runs off
       it keeps its accuracy at 100–250× the Rosenbrock method's step: a d = 8 random mask
       (depth 4, α = 1e-4, seed 2) crossed t = 1e8 → 3e8 in 156 steps against 30,153, with σ₁
-      6.5e-10 apart (benchmarks/README, "A Radau IIA tail"). It forms the P × P Hessian and
-      its eigendecomposition every 50 steps: for P up to a few thousand; `linear_solver`,
+      6.5e-10 apart (benchmarks/README, "A Radau IIA tail"). Opt-in: where the Rosenbrock
+      method is not held it is no faster, and on one such flow its third singular value was
+      2.8e-8 off an rtol-1e-12 reference (RODAS4P2's 8e-9). It forms the P × P Hessian and
+      its eigendecomposition every 50 steps (P ≤ 4,096, else an error); its tails run one at
+      a time in sweeps and batches (side by side they leaked memory); `linear_solver`,
       `rosenbrock`, `preconditioner` and `gauss_newton` do not apply to it.
     - `rosenbrock`: the tableau of that Rosenbrock method: `auto` (default): `rodas5p` where
       the Gauss–Newton preconditioner holds ≥ 1,024 observed entries, else `rodas4p2`;

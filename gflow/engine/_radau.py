@@ -59,6 +59,11 @@ RADAU_STEP_LIMITS = {"factormax": 3.0}
 NEWTON_ERROR = tuple((0.9 / g) ** 4 for g in (3.0, 3.0, 3.0, 1.5, 1.0))
 
 
+# The largest model the Radau tail takes: it holds P × P matrices (the Hessian, R₀'s
+# eigenvectors; 134 MB at 4,096) and decomposes one every 50 steps (~7 ms at P = 320 here).
+MAX_PARAMETERS = 4096
+
+
 def _eigen():
     """A = QΛQ⁻¹ ordered (real, λ, conj λ), and the weights Q_ik (Q⁻¹A)_kj, (i, k, j)."""
     values, vectors = np.linalg.eig(A)
@@ -219,6 +224,12 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
     def init(self, terms, t0, t1, y0, args):
         flat, _ = ravel_pytree(self._split(y0)[0])
         size = flat.shape[0]
+        if size > MAX_PARAMETERS:
+            raise ValueError(
+                f"tail_method='radau' forms the P × P Hessian and its eigendecomposition; "
+                f"this model has P = {size} > {MAX_PARAMETERS} parameters: use the Rosenbrock "
+                f"tail (tail_method='rosenbrock')"
+            )
         zero = jnp.asarray(0, jnp.int32)
         return {
             "residual": (jnp.zeros(size, flat.dtype), jnp.eye(size, dtype=flat.dtype)),
