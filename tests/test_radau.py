@@ -125,17 +125,16 @@ def test_the_energy_integral_rides_through_the_radau_tail(radau_case):
     np.testing.assert_allclose(certified.model.product(), radau.model.product(), atol=1e-9)
 
 
-def test_a_batch_of_radau_tails_equals_its_flows_one_by_one(radau_case):
-    """Under vmap (`tails="batch"`) every member steps while any runs; the finished ones'
-    steps are thrown away, and the running ones take their own."""
-    problem, init, radau, _ = radau_case
-    easy = gflow.gaussian([8] * 4, 0.5, key=3)
+def test_radau_tails_are_not_batched():
+    """Each Radau tail runs alone (a batched one hung under vmap): `tails="batch"` is refused
+    with a message that names the way out."""
+    problem = gflow.bernoulli(4, 4, 0.6, 1, key=0)
+    models = gflow.stack([gflow.gaussian([4] * 3, 0.1, key=k) for k in (1, 2)])
     options = gflow.FlowOptions(tail_method="radau")
-    batch = gflow.flow_batch(problem, gflow.stack([init, easy]), options, tails="batch")
-    for i, single in enumerate((radau, gflow.flow(problem, easy, options))):
-        member = batch.member(i)
-        assert member.status_label == single.status_label == "converged"
-        np.testing.assert_allclose(member.model.product(), single.model.product(), atol=1e-9)
+    with pytest.raises(ValueError, match="tails='apart'"):
+        gflow.flow_batch(problem, models, options, tails="batch")
+    with pytest.raises(ValueError, match="tails='apart'"):
+        gflow.SweepSpec(axes={"alpha": [0.1]}, options=options, tails="batch")
 
 
 @pytest.mark.slow

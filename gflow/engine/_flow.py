@@ -91,6 +91,18 @@ def tails_side_by_side(options: FlowOptions) -> bool:
     return options.tail_method != "radau"
 
 
+# Radau IIA tails under vmap hung (XLA waiting with no CPU, seen once in the test suite,
+# 2026-12-06, cause not found); they run alone, as `tails="apart"` runs every tail.
+BATCHED_RADAU = (
+    "tail_method='radau' runs each stiff tail alone: use tails='apart' (the default), not "
+    "tails='batch' (a batched Radau tail hung under vmap)"
+)
+
+
+def batched_tails_allowed(options: FlowOptions) -> bool:
+    return options.tail_method != "radau"
+
+
 def finish_tails(problem, model, head: FlowResult, options: FlowOptions, depths=None, threads=None):
     """The whole flows of a batch solved with `defer_tail=True` (`head`, from the initial
     `model`): each member whose stiff tail is pending runs it alone and unpadded (a program
@@ -393,6 +405,8 @@ def flow_batch(
         options = FlowOptions(**kwargs)
     elif kwargs:
         raise TypeError("pass either `options` or keyword options, not both")
+    if tails == "batch" and not batched_tails_allowed(options):
+        raise ValueError(BATCHED_RADAU)
     if model.layers[0].ndim != 3:
         raise ValueError("flow_batch needs a batched model (layers of shape (batch, d_out, d_in))")
     batched_problem = problem.target.ndim == 3
