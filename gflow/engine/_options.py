@@ -133,7 +133,8 @@ class FlowOptions(eqx.Module):
       method is not held it is no faster, and on one such flow its third singular value was
       2.8e-8 off an rtol-1e-12 reference (RODAS4P2's 8e-9). It forms the P × P Hessian and
       its eigendecomposition every 50 steps (P ≤ 4,096, else an error); its tails run one at
-      a time in sweeps and batches (side by side they leaked memory); `linear_solver`,
+      a time in sweeps and batches (side by side they leaked memory) and are never batched
+      under vmap (`tails="batch"` is refused: a batched one hung); `linear_solver`,
       `rosenbrock`, `preconditioner` and `gauss_newton` do not apply to it.
     - `rosenbrock`: the tableau of that Rosenbrock method: `auto` (default): `rodas5p` where
       the Gauss–Newton preconditioner holds ≥ 1,024 observed entries, else `rodas4p2`;
