@@ -14,7 +14,7 @@ import numpy as np
 from ..model import Factorization
 from ..problem import Problem
 from ._compile import ALREADY_COMPILED, program
-from ._options import FlowOptions
+from ._options import BATCHED_TAILS_REFUSED, FlowOptions
 from ._result import FlowResult, Status
 from ._threads import blas_threads_for, factorised_rows, run_concurrently, threads_for
 
@@ -81,28 +81,6 @@ def _compiled_solver(
     )
 
 
-def tails_side_by_side(options: FlowOptions) -> bool:
-    """Whether stiff tails may run on threads side by side: not Radau IIA's
-    (`tail_method="radau"`). Two of its d = 8 tails on two threads grew the process by
-    ~23 MB/s (a 112-flow sweep reached 14 GB), where one at a time, and RODAS4P2's side by
-    side, hold steady; and a tail run beside another took other steps than alone (10,860
-    against 10,077). Raw eigh, LU and Cholesky calls side by side do not leak; the cause is
-    not found (benchmarks/README, "A Radau IIA tail")."""
-    return options.tail_method != "radau"
-
-
-# Radau IIA tails under vmap hung (XLA waiting with no CPU, seen once in the test suite,
-# 2026-12-06, cause not found); they run alone, as `tails="apart"` runs every tail.
-BATCHED_RADAU = (
-    "tail_method='radau' runs each stiff tail alone: use tails='apart' (the default), not "
-    "tails='batch' (a batched Radau tail hung under vmap)"
-)
-
-
-def batched_tails_allowed(options: FlowOptions) -> bool:
-    return options.tail_method != "radau"
-
-
 def finish_tails(problem, model, head: FlowResult, options: FlowOptions, depths=None, threads=None):
     """The whole flows of a batch solved with `defer_tail=True` (`head`, from the initial
     `model`): each member whose stiff tail is pending runs it alone and unpadded (a program
@@ -153,7 +131,7 @@ class PendingTails:
 
     def finish(self, threads=None) -> FlowResult:
         """Run the calls, `threads` at a time (`finish_tails`), and assemble the batch."""
-        if not tails_side_by_side(self.options):
+        if self.options.tails_run_alone:
             threads = 1
         with blas_threads_for(self.rows, side_by_side=threads_for(len(self.calls), threads)):
             return self.assemble(run_concurrently(self.calls, threads))
@@ -405,8 +383,8 @@ def flow_batch(
         options = FlowOptions(**kwargs)
     elif kwargs:
         raise TypeError("pass either `options` or keyword options, not both")
-    if tails == "batch" and not batched_tails_allowed(options):
-        raise ValueError(BATCHED_RADAU)
+    if tails == "batch" and options.tails_run_alone:
+        raise ValueError(BATCHED_TAILS_REFUSED)
     if model.layers[0].ndim != 3:
         raise ValueError("flow_batch needs a batched model (layers of shape (batch, d_out, d_in))")
     batched_problem = problem.target.ndim == 3

@@ -22,6 +22,11 @@ TAIL_METHODS = ("rosenbrock", "radau")
 PRECONDITIONERS = ("gauss-newton", "spectral", "none")
 GAUSS_NEWTON = ("auto", "inverse", "eigh", "cholesky", "tangent")
 TAIL_SCALES = ("layer", "entry")
+# why `tails="batch"` is refused where `FlowOptions.tails_run_alone`
+BATCHED_TAILS_REFUSED = (
+    "tail_method='radau' runs each stiff tail alone: use tails='apart' (the default), not "
+    "tails='batch' (a batched Radau tail hung under vmap)"
+)
 # the options that only the stiff tail of `solver="auto"` reads (`FlowOptions.head`)
 TAIL_ONLY = (
     "tail_rtol",
@@ -328,6 +333,17 @@ class FlowOptions(eqx.Module):
         differ only in how their tails are solved share that first program."""
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in TAIL_ONLY}
         return dataclasses.replace(self, **defaults)
+
+    @property
+    def tails_run_alone(self) -> bool:
+        """Whether each stiff tail must run alone: on one thread at a time, never batched
+        under vmap. Radau IIA's (`tail_method="radau"`) must: two of its d = 8 tails on two
+        threads grew the process by ~23 MB/s (a 112-flow sweep reached 14 GB) and took other
+        steps than alone (10,860 against 10,077), and a batch of two under vmap hung (XLA
+        waiting, no CPU), where RODAS4P2's tails side by side hold steady. Raw eigh, LU and
+        Cholesky calls side by side do not leak; the cause is not found (benchmarks/README,
+        "a Radau IIA tail")."""
+        return self.tail_method == "radau"
 
     @property
     def lean(self) -> bool:

@@ -266,14 +266,13 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
             return observed_jacobian(model_of(flat), args.problem, args.layer_mask, self.entries)
 
         def residual_part():
-            # R₀'s part of the rates' Jacobian: −(∇²loss − GᵀG) = J + GᵀG
+            # R₀ = ∇²loss − GᵀG = −(J + GᵀG), J the rates' Jacobian
             g = gauss_newton_rows(flat0)
-            r0 = self.jacobian(t0, y0, args) + g.T @ g
+            r0 = -(self.jacobian(t0, y0, args) + g.T @ g)
             return tuple(jnp.linalg.eigh(0.5 * (r0 + r0.T)))
 
         refresh = solver_state["stale"] | (solver_state["age"] >= self.refresh_every)
         e, basis = jax.lax.cond(refresh, residual_part, lambda: solver_state["residual"])
-        e = -e  # R₀'s eigenvalues (the state holds those of −R₀)
         layer_rms = jnp.concatenate(
             [jnp.full(w.size, jnp.sqrt(jnp.mean(w**2))) for w in jax.tree_util.tree_leaves(active0)]
         )
@@ -341,7 +340,7 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
             x = x - (jax.scipy.linalg.lu_solve(small, g0 @ x) @ g0) / diagonal
             return x @ basis.T
 
-        stage_rates, stage_passive = jax.vmap(rates)(flat0[None] + z)
+        _, stage_passive = jax.vmap(rates)(flat0[None] + z)
         (f0, p0), jvp = jax.linearize(rates, flat0)
         combined = jnp.asarray(ESTIMATE, flat0.dtype) @ z / h
         err = estimate_solve(f0 + combined)
@@ -376,7 +375,7 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
         stages = {**jax.vmap(unravel)(z), **jax.vmap(unravel_passive)(z_passive)}
         evaluations = 3 * iterations + 3 + 1 + refine.astype(jnp.int32)
         new_state = {
-            "residual": (-e, basis),
+            "residual": (e, basis),
             "age": jnp.where(refresh, 1, solver_state["age"] + 1).astype(jnp.int32),
             "stale": ~ok,
             "z": z,

@@ -324,25 +324,25 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed, tangent_r
             factorization, rank = gauss_newton_factorization(options, entries), 0
         structured = GaussNewtonPreconditioner(entries, factorization, rank)
     from_previous = entries is not None and entries >= PREVIOUS_START_MIN_OBSERVED
-    if options.tail_method == "radau":
+    if options.tail_method == "radau":  # only under solver="auto" (`FlowOptions`)
         stiff = RadauIIA(
             entries=setup.problem.mask.size if observed is None else observed,
             jacobian=physical_jacobian,
             step_tolerance=setup.tail_tolerance,
         )
-        return {"loss clock": diffrax.Tsit5(), "explicit": diffrax.Tsit5(), "stiff": stiff}
-    stiff = Rodas4(
-        preconditioner=structured,
-        preconditioner_rank=0 if options.preconditioner == "none" else 64,
-        batch_axis=batch_axis,
-        linear_solver=options.linear_solver,
-        tableau=tail_tableau(options, observed),
-        stage_start="previous" if from_previous else "stages",
-        step_tolerance=setup.tail_tolerance,
-        symmetric=True,
-        passive=("energy",),
-        jacobian=physical_jacobian,
-    )
+    else:
+        stiff = Rodas4(
+            preconditioner=structured,
+            preconditioner_rank=0 if options.preconditioner == "none" else 64,
+            batch_axis=batch_axis,
+            linear_solver=options.linear_solver,
+            tableau=tail_tableau(options, observed),
+            stage_start="previous" if from_previous else "stages",
+            step_tolerance=setup.tail_tolerance,
+            symmetric=True,
+            passive=("energy",),
+            jacobian=physical_jacobian,
+        )
     if not isinstance(options.solver, str):
         explicit = options.solver
     elif options.solver == "auto":

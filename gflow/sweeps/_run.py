@@ -20,7 +20,7 @@ from ..analysis import (
 )
 from ..analysis._sensitivity import perturb
 from ..engine import Status, _threads, stack
-from ..engine._flow import PendingTails, _compiled_solver, flow_blas_threads, tails_side_by_side
+from ..engine._flow import PendingTails, _compiled_solver, flow_blas_threads
 from ._build import build_chunk
 from ._spec import SweepSpec, execution_order
 from ._store import _chunk_indices, _open_or_create, _template, write_points
@@ -229,7 +229,7 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
         bar.update(len(idx))
 
     cores = _threads.available_cores()
-    threads = cores if tails_side_by_side(spec.options) else 1
+    threads = 1 if spec.options.tails_run_alone else cores
     pool = _TailPool(threads, open_chunks=open_chunks(cores))
     try:
         # Tails side by side, across chunks too: one BLAS thread each (`_threads`).

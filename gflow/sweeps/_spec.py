@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..engine import FlowOptions
-from ..engine._flow import BATCHED_RADAU, batched_tails_allowed
+from ..engine._options import BATCHED_TAILS_REFUSED
 
 DYNAMIC_AXES = ("alpha", "m", "seed", "value", "noise", "density")
 
@@ -143,8 +143,8 @@ class SweepSpec:
             raise ValueError(f"unknown depth_mode {self.depth_mode!r}; choose from {DEPTH_MODES}")
         if self.tails not in TAIL_MODES:
             raise ValueError(f"unknown tails {self.tails!r}; choose from {TAIL_MODES}")
-        if self.tails == "batch" and not batched_tails_allowed(self.options):
-            raise ValueError(BATCHED_RADAU)
+        if self.tails == "batch" and self.options.tails_run_alone:
+            raise ValueError(BATCHED_TAILS_REFUSED)
         if self.options.save or self.options.save_ts is not None:
             raise ValueError(
                 "a sweep stores each flow's endpoint, not its trajectory: options save and "
