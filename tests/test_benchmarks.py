@@ -49,3 +49,18 @@ def test_the_whole_quick_suite(tmp_path, capsys):
     tail = json.loads((tmp_path / "stiff_tail.json").read_text())["result"]["8x8"]["rows"]
     assert tail["gflow auto"]["status"] == "converged"
     assert tail["tsit5 (explicit only)"]["status"] == "max_steps"
+
+
+def test_both_tails_side_by_side_agree_on_a_short_tail(capsys):
+    """`python -m benchmarks.tails`: both stiff tails run on a sweep point and end on the same
+    singular values; the command prints a row per tail."""
+    from benchmarks.tails import compare, main, parse_point
+
+    rows = list(compare([parse_point("3:1e-2:1")]))
+    assert [row["method"] for row in rows] == ["rosenbrock", "radau"]
+    assert all(row["result"].status_label == "converged" for row in rows)
+    assert all(row["tail"]["steps"] > 0 for row in rows)
+    assert rows[1]["apart"][:2].max() < 1e-9
+    main(["3:1e-2:1"])
+    out = capsys.readouterr().out
+    assert out.count("converged") == 2 and "σ relative difference" in out

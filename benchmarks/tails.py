@@ -1,0 +1,94 @@
+"""`python -m benchmarks.tails`: the two stiff tails side by side, flow by flow.
+
+For each d = 8 point of the `scale` benchmark's 112-flow sweep named on the command line
+(depth, α, seed), it runs `gflow.flow` at the sweep's options once with each stiff tail,
+`tail_method="rosenbrock"` (the default) and `"radau"`, one after the other in this process,
+and prints a row per run: status, solve time, the stiff tail's steps and rejections, its
+linear work (CG or Newton iterations, factorisations) and the top three singular values,
+then how far apart the two runs' singular values end where both converged. The sweep itself
+runs its tails concurrently; here each flow has the machine to itself, so that the two
+tails' times compare.
+
+    python -m benchmarks.tails 4:1e-2:2 4:1e-4:2 5:3e-3:2 --max-steps 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+
+import gflow  # noqa: E402
+
+from .runoff import sweep_point  # noqa: E402
+
+METHODS = ("rosenbrock", "radau")
+
+
+def parse_point(text):
+    depth, alpha, seed = text.split(":")
+    return int(depth), float(alpha), int(seed)
+
+
+def run(point, method, rtol, max_steps):
+    problem, init = sweep_point(*point)
+    options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps, tail_method=method)
+    result = gflow.flow(problem, init, options)
+    tail = result.work().get("stiff tail", {})
+    sigma = np.asarray(gflow.singular_values(result.model))[:3]
+    return result, tail, sigma
+
+
+def compare(points, rtol=1e-10, max_steps=100_000):
+    """For each point, one row per tail (a dict: point, method, result, tail work, top-3 σ),
+    then, where both converged, the relative difference of their top-3 σ (`apart`, on the
+    second row)."""
+    for point in points:
+        rows = []
+        for method in METHODS:
+            result, tail, sigma = run(point, method, rtol, max_steps)
+            rows.append(dict(point=point, method=method, result=result, tail=tail, sigma=sigma))
+        if all(row["result"].status_label == "converged" for row in rows):
+            rows[-1]["apart"] = np.abs(rows[1]["sigma"] / rows[0]["sigma"] - 1)
+        yield from rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "points", nargs="+", type=parse_point, help="sweep points DEPTH:ALPHA:SEED, e.g. 4:1e-2:2"
+    )
+    parser.add_argument("--rtol", type=float, default=1e-10, help="the sweep's rtol")
+    parser.add_argument(
+        "--max-steps", type=int, default=100_000, help="the sweep's step budget per phase"
+    )
+    args = parser.parse_args(argv)
+
+    # compile both tails' programs outside the clock, on a flow that reaches its tail quickly
+    for method in METHODS:
+        run((3, 1e-2, 1), method, args.rtol, args.max_steps)
+
+    print(
+        f"{'point':>16} {'tail':>10} {'status':>10} {'solve s':>8} {'tail steps':>10} "
+        f"{'rejected':>8} {'lin. iters':>10} {'factoriz.':>9}  top-3 σ",
+        flush=True,
+    )
+    for row in compare(args.points, args.rtol, args.max_steps):
+        result, tail = row["result"], row["tail"]
+        print(
+            f"{str(row['point']):>16} {row['method']:>10} {result.status_label:>10} "
+            f"{result.wall_time_s:8.1f} {tail.get('steps', 0):10d} "
+            f"{tail.get('rejected_steps', 0):8d} {tail.get('linear_iters', 0):10d} "
+            f"{tail.get('factorizations', 0):9d}  "
+            f"{np.array2string(row['sigma'], precision=12)}",
+            flush=True,
+        )
+        if "apart" in row:
+            print(f"{'':>16} σ relative difference (radau vs rosenbrock): {row['apart']}")
+
+
+if __name__ == "__main__":
+    main()
