@@ -14,6 +14,18 @@ def flatten(tree):
     return jnp.concatenate([jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
 
 
+def split_passive(y, passive: tuple[str, ...]):
+    """(active, passive) parts of a stiff solver's state: the top-level entries named in
+    `passive` (an energy integral, whose rates depend on the model only) apart; passive is {}
+    when there are none."""
+    if not (passive and isinstance(y, dict)):
+        return y, {}
+    return (
+        {k: v for k, v in y.items() if k not in passive},
+        {k: v for k, v in y.items() if k in passive},
+    )
+
+
 def loss_time_scale(loss, grad_sq):
     """h = 2·loss/‖∇loss‖²: dt/dτ of the loss clock; 0 at an exact stationary point."""
     safe = jnp.where(grad_sq > 0, grad_sq, 1.0)

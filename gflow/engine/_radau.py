@@ -34,7 +34,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..model import partial_products
-from ._dynamics import entry_weights
+from ._dynamics import entry_weights, split_passive
 
 _S6 = np.sqrt(6.0)
 NODES = np.array([(4 - _S6) / 10, (4 + _S6) / 10, 1.0])
@@ -218,8 +218,7 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
         return 4  # the embedded estimate is O(h⁴): the controller steps by err^(−1/4)
 
     def _split(self, y):
-        active = {k: v for k, v in y.items() if k not in self.passive}
-        return active, {k: v for k, v in y.items() if k in self.passive}
+        return split_passive(y, self.passive)
 
     def init(self, terms, t0, t1, y0, args):
         flat, _ = ravel_pytree(self._split(y0)[0])

@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from ._dynamics import split_passive
+
 STAGE_STARTS = ("stages", "previous", "zero")  # where a stage's CG starts (`Rodas4`)
 
 
@@ -575,11 +577,7 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         )
 
     def _split(self, y):
-        """(active, passive) parts of the state; passive is {} when there are none."""
-        if not (self.passive and isinstance(y, dict)):
-            return y, {}
-        active = {k: v for k, v in y.items() if k not in self.passive}
-        return active, {k: v for k, v in y.items() if k in self.passive}
+        return split_passive(y, self.passive)
 
     def _falls_back(self, size) -> bool:
         return self.linear_solver == "auto" and size <= self.fallback_max

@@ -315,15 +315,6 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed, tangent_r
     energy integral is passive; on the loss clock the rates are scaled by 2·loss/‖∇loss‖².
     A `tangent_rank` means the `tangent` factorisation, decided on the host
     (`_flow.tangent_rank`); without one, `gauss_newton_factorization` decides by size alone."""
-    entries = _gauss_newton_entries(options, observed)
-    structured = None
-    if entries is not None:
-        if tangent_rank:
-            factorization, rank = "tangent", tangent_rank
-        else:
-            factorization, rank = gauss_newton_factorization(options, entries), 0
-        structured = GaussNewtonPreconditioner(entries, factorization, rank)
-    from_previous = entries is not None and entries >= PREVIOUS_START_MIN_OBSERVED
     if options.tail_method == "radau":  # only under solver="auto" (`FlowOptions`)
         stiff = RadauIIA(
             entries=setup.problem.mask.size if observed is None else observed,
@@ -331,18 +322,7 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed, tangent_r
             step_tolerance=setup.tail_tolerance,
         )
     else:
-        stiff = Rodas4(
-            preconditioner=structured,
-            preconditioner_rank=0 if options.preconditioner == "none" else 64,
-            batch_axis=batch_axis,
-            linear_solver=options.linear_solver,
-            tableau=tail_tableau(options, observed),
-            stage_start="previous" if from_previous else "stages",
-            step_tolerance=setup.tail_tolerance,
-            symmetric=True,
-            passive=("energy",),
-            jacobian=physical_jacobian,
-        )
+        stiff = _rosenbrock_tail(options, setup, batch_axis, observed, tangent_rank)
     if not isinstance(options.solver, str):
         explicit = options.solver
     elif options.solver == "auto":
@@ -359,6 +339,31 @@ def _solvers(options: FlowOptions, setup: Setup, batch_axis, observed, tangent_r
             step_tolerance=(setup.rtol, setup.atol),
         )
     return {"loss clock": loss_clock, "explicit": explicit, "stiff": stiff}
+
+
+def _rosenbrock_tail(options: FlowOptions, setup: Setup, batch_axis, observed, tangent_rank):
+    """The Rosenbrock stiff tail, with its Gauss–Newton preconditioner where one applies."""
+    entries = _gauss_newton_entries(options, observed)
+    structured = None
+    if entries is not None:
+        if tangent_rank:
+            factorization, rank = "tangent", tangent_rank
+        else:
+            factorization, rank = gauss_newton_factorization(options, entries), 0
+        structured = GaussNewtonPreconditioner(entries, factorization, rank)
+    from_previous = entries is not None and entries >= PREVIOUS_START_MIN_OBSERVED
+    return Rodas4(
+        preconditioner=structured,
+        preconditioner_rank=0 if options.preconditioner == "none" else 64,
+        batch_axis=batch_axis,
+        linear_solver=options.linear_solver,
+        tableau=tail_tableau(options, observed),
+        stage_start="previous" if from_previous else "stages",
+        step_tolerance=setup.tail_tolerance,
+        symmetric=True,
+        passive=("energy",),
+        jacobian=physical_jacobian,
+    )
 
 
 # The loss clock's step budget under `clock="auto"`, in units of `explicit_steps`: crossing
