@@ -338,11 +338,12 @@ class FlowOptions(eqx.Module):
     def tails_run_alone(self) -> bool:
         """Whether each stiff tail must run alone: on one thread at a time, never batched
         under vmap. Radau IIA's (`tail_method="radau"`) must: two of its d = 8 tails on two
-        threads grew the process by ~23 MB/s (a 112-flow sweep reached 14 GB) and took other
-        steps than alone (10,860 against 10,077), and a batch of two under vmap hung (XLA
-        waiting, no CPU), where RODAS4P2's tails side by side hold steady. Raw eigh, LU and
-        Cholesky calls side by side do not leak; the cause is not found (benchmarks/README,
-        "a Radau IIA tail")."""
+        threads grew the process by ~23 MB/s (a 112-flow sweep reached 14 GB), and a batch of
+        two under vmap hung (XLA waiting, no CPU), where RODAS4P2's tails side by side hold
+        steady. Raw eigh, LU and Cholesky calls side by side do not leak, nor does a loop of
+        the Radau step's structure, and XLA's Eigen threads and glibc's arenas are not it;
+        the cause is not found (benchmarks/README, "A Radau IIA tail" and "Sixteenth
+        session")."""
         return self.tail_method == "radau"
 
     @property
