@@ -111,6 +111,28 @@ def test_live_programs_are_bounded_least_recently_used_first(monkeypatch):
     np.testing.assert_array_equal(first.model.product(), runs[0].model.product())
 
 
+def test_programs_are_compiled_without_xla_ynnpack_fusion_on_the_cpu():
+    """With XLA's YNNPACK fusion, two programs running at once on two threads (a sweep's
+    tails side by side) grow the process without bound (benchmarks/README, "seventeenth
+    session"): gflow compiles its programs without it, and they compute the same."""
+    import jax
+    import jax.numpy as jnp
+
+    from gflow.engine import _compile
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the option is the CPU compiler's")
+    a, b = np.linspace(0, 1, 288 * 320).reshape(288, 320), np.linspace(-1, 1, 320 * 96)
+    b = b.reshape(320, 96)
+    fn = lambda a, b: jnp.tanh(a @ b)
+    if "__ynn_fusion" not in jax.jit(fn).lower(a, b).compile().as_text():
+        pytest.skip("this jaxlib's XLA does not fuse dots into YNNPACK")
+    assert _compile.compiler_options() == _compile.CPU_COMPILER_OPTIONS
+    program, _ = _compile.compile_timed(fn, a, b, kind="descend")
+    assert "__ynn_fusion" not in program.compiled.as_text()
+    np.testing.assert_allclose(program(a, b), np.tanh(a @ b), rtol=0, atol=1e-12)
+
+
 def test_stored_programs_are_keyed_on_the_whole_package_source():
     """An edit to the residual (`problem.py`) or the products (`model.py`) must not load a
     program traced before it: these were once outside the hash (only `engine/` was in it)."""

@@ -126,8 +126,8 @@ def test_the_energy_integral_rides_through_the_radau_tail(radau_case):
 
 
 def test_radau_tails_are_not_batched():
-    """Each Radau tail runs alone (a batched one hung under vmap): `tails="batch"` is refused
-    with a message that names the way out."""
+    """Radau tails are not batched under vmap (a batched one hung): `tails="batch"` is
+    refused with a message that names the way out."""
     problem = gflow.bernoulli(4, 4, 0.6, 1, key=0)
     models = gflow.stack([gflow.gaussian([4] * 3, 0.1, key=k) for k in (1, 2)])
     options = gflow.FlowOptions(tail_method="radau")

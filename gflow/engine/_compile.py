@@ -116,12 +116,14 @@ def program(kind: str, config, args, make_fn, *, extra=(), out_like=None, rememb
     (an executable only accepts its own shapes). Returns (a callable taking `args`, its
     `CompileTime`). With `remember=False` (a config without a stable identity) nothing is kept."""
     leaves = jax.tree_util.tree_leaves(args)
+    options = compiler_options()
     key = (
         kind,
         config,
         extra,
         jax.tree_util.tree_structure(args),
         tuple((x.shape, x.dtype) for x in leaves),
+        tuple(sorted(options.items())),
     )
     hit = _PROGRAMS.get(key) if remember else None
     if hit is not None:
@@ -131,7 +133,12 @@ def program(kind: str, config, args, make_fn, *, extra=(), out_like=None, rememb
     # `make_fn` is called only if the program is traced: a program loaded from the cache
     # never imports what building it needs (diffrax, for flows)
     compiled, compile_time = compile_timed(
-        lambda *a: make_fn()(*a), *args, kind=kind, key=file_key, out_like=out_like
+        lambda *a: make_fn()(*a),
+        *args,
+        kind=kind,
+        key=file_key,
+        out_like=out_like,
+        options=options,
     )
     if remember:
         _PROGRAMS[key] = compiled
@@ -140,8 +147,9 @@ def program(kind: str, config, args, make_fn, *, extra=(), out_like=None, rememb
     return compiled, compile_time
 
 
-def compile_timed(fn, *args, kind: str, key=None, out_like=None):
-    """`jax.jit(fn)` compiled for `args`: (a callable taking `args`, its `CompileTime`).
+def compile_timed(fn, *args, kind: str, key=None, out_like=None, options=None):
+    """`jax.jit(fn)` compiled for `args` with XLA's `options` (default: `compiler_options()`):
+    (a callable taking `args`, its `CompileTime`).
 
     With a `key` (a string naming the program: its options and batching) and `out_like` (any
     pytree of the output's structure), the traced program is also kept in the cache directory
@@ -155,6 +163,7 @@ def compile_timed(fn, *args, kind: str, key=None, out_like=None):
     `jax.export`'s serialisation of pytrees.
     """
     _COUNTS[kind] += 1
+    options = compiler_options() if options is None else options
     start = time.perf_counter()
     leaves, in_tree = jax.tree_util.tree_flatten(args)
     out_tree = None if out_like is None else jax.tree_util.tree_structure(out_like)
@@ -163,7 +172,7 @@ def compile_timed(fn, *args, kind: str, key=None, out_like=None):
     if path is not None:
         exported = _load(path)
         if exported is not None:
-            compiled = jax.jit(exported.call).lower(*leaves).compile()
+            compiled = jax.jit(exported.call).lower(*leaves).compile(compiler_options=options)
             program = _unflattening(compiled, out_tree)
             return program, CompileTime(time.perf_counter() - start, cache_hits() > hits)
     structure = {}
@@ -177,19 +186,51 @@ def compile_timed(fn, *args, kind: str, key=None, out_like=None):
     with checks_without_host_callbacks():
         exported = None if path is None else _export(flat_fn, leaves)
         if exported is None:
-            compiled = jax.jit(flat_fn).lower(*leaves).compile()
+            compiled = jax.jit(flat_fn).lower(*leaves).compile(compiler_options=options)
     if exported is not None:
-        compiled = jax.jit(exported.call).lower(*leaves).compile()
+        compiled = jax.jit(exported.call).lower(*leaves).compile(compiler_options=options)
         if structure["out"] == out_tree:
             _store(path, exported)
     program = _unflattening(compiled, structure["out"])
     return program, CompileTime(time.perf_counter() - start, cache_hits() > hits)
 
 
+# XLA's CPU compiler hands dots, and what it fuses with them, to YNNPACK (jaxlib 0.10 and
+# 0.12). Two such programs running at once on two threads, as a sweep's stiff tails do, grow
+# the process without bound: a jitted loop of one 288 × 320 × 96 float64 dot on two threads
+# by ~40 MB/s on jaxlib 0.10.2 (15 GB in 40 s on 0.12.1), two Radau tails by ~20 MB/s;
+# nothing with the fusion off, and gflow's solves were as fast or faster without it
+# (benchmarks/README, "seventeenth session"; `python -m benchmarks.fusion`).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compiler_options() -> dict:
+    """XLA options gflow compiles its programs with: `CPU_COMPILER_OPTIONS` on the CPU, where
+    this jaxlib knows them; none elsewhere."""
+    if jax.default_backend() != "cpu" or not CPU_COMPILER_OPTIONS:
+        return {}
+    options = dict(CPU_COMPILER_OPTIONS)
+    return options if _accepted(tuple(sorted(options.items()))) else {}
+
+
+@functools.cache
+def _accepted(options: tuple) -> bool:
+    """Whether this jaxlib's XLA takes `options` (an older or newer one may not know them)."""
+    try:
+        jax.jit(lambda x: x + 1).lower(0.0).compile(compiler_options=dict(options))
+    except Exception:  # XLA's "No such compile option"
+        return False
+    return True
+
+
 def _unflattening(compiled, out_tree):
-    return lambda *a: jax.tree_util.tree_unflatten(
-        out_tree, compiled(*jax.tree_util.tree_leaves(a))
-    )
+    """A callable taking the program's pytrees; `.compiled`: XLA's executable (its HLO text)."""
+
+    def call(*a):
+        return jax.tree_util.tree_unflatten(out_tree, compiled(*jax.tree_util.tree_leaves(a)))
+
+    call.compiled = compiled
+    return call
 
 
 def _program_path(key, args) -> Path | None:

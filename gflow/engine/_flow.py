@@ -383,7 +383,7 @@ def flow_batch(
         options = FlowOptions(**kwargs)
     elif kwargs:
         raise TypeError("pass either `options` or keyword options, not both")
-    if tails == "batch" and options.tails_run_alone:
+    if tails == "batch" and options.tails_batch_refused:
         raise ValueError(BATCHED_TAILS_REFUSED)
     if model.layers[0].ndim != 3:
         raise ValueError("flow_batch needs a batched model (layers of shape (batch, d_out, d_in))")

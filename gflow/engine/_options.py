@@ -22,9 +22,9 @@ TAIL_METHODS = ("rosenbrock", "radau")
 PRECONDITIONERS = ("gauss-newton", "spectral", "none")
 GAUSS_NEWTON = ("auto", "inverse", "eigh", "cholesky", "tangent")
 TAIL_SCALES = ("layer", "entry")
-# why `tails="batch"` is refused where `FlowOptions.tails_run_alone`
+# why `tails="batch"` is refused where `FlowOptions.tails_batch_refused`
 BATCHED_TAILS_REFUSED = (
-    "tail_method='radau' runs each stiff tail alone: use tails='apart' (the default), not "
+    "tail_method='radau' does not batch its stiff tails: use tails='apart' (the default), not "
     "tails='batch' (a batched Radau tail hung under vmap)"
 )
 # the options that only the stiff tail of `solver="auto"` reads (`FlowOptions.head`)
@@ -137,9 +137,10 @@ class FlowOptions(eqx.Module):
       6.5e-10 apart (benchmarks/README, "A Radau IIA tail"). Opt-in: where the Rosenbrock
       method is not held it is no faster, and on one such flow its third singular value was
       2.8e-8 off an rtol-1e-12 reference (RODAS4P2's 8e-9). It forms the P × P Hessian and
-      its eigendecomposition every 50 steps (P ≤ 4,096, else an error); its tails run one at
-      a time in sweeps and batches (side by side they leaked memory) and are never batched
-      under vmap (`tails="batch"` is refused: a batched one hung); `linear_solver`,
+      its eigendecomposition every 50 steps (P ≤ 4,096, else an error); its tails run side by
+      side in sweeps and batches where gflow compiles without XLA's YNNPACK fusion (on the
+      CPU; elsewhere one at a time: with it they leaked memory, `tails_run_alone`) and are
+      never batched under vmap (`tails="batch"` is refused: a batched one hung); `linear_solver`,
       `rosenbrock`, `preconditioner` and `gauss_newton` do not apply to it.
     - `rosenbrock`: the tableau of that Rosenbrock method: `auto` (default): `rodas5p` where
       the Gauss–Newton preconditioner holds ≥ 1,024 observed entries, else `rodas4p2`;
@@ -335,16 +336,23 @@ class FlowOptions(eqx.Module):
         return dataclasses.replace(self, **defaults)
 
     @property
-    def tails_run_alone(self) -> bool:
-        """Whether each stiff tail must run alone: on one thread at a time, never batched
-        under vmap. Radau IIA's (`tail_method="radau"`) must: two of its d = 8 tails on two
-        threads grew the process by ~23 MB/s (a 112-flow sweep reached 14 GB), and a batch of
-        two under vmap hung (XLA waiting, no CPU), where RODAS4P2's tails side by side hold
-        steady. Raw eigh, LU and Cholesky calls side by side do not leak, nor does a loop of
-        the Radau step's structure, and XLA's Eigen threads and glibc's arenas are not it;
-        the cause is not found (benchmarks/README, "A Radau IIA tail" and "Sixteenth
-        session")."""
+    def tails_batch_refused(self) -> bool:
+        """Whether a batch's stiff tails must not run batched under vmap (`tails="batch"`):
+        Radau IIA's (`tail_method="radau"`), a batch of two of which hung in the test suite
+        (XLA waiting, no CPU; not seen since and not explained)."""
         return self.tail_method == "radau"
+
+    @property
+    def tails_run_alone(self) -> bool:
+        """Whether each stiff tail must run on one thread at a time. Radau IIA's must where
+        gflow cannot compile its programs without XLA's YNNPACK fusion (`_compile.
+        compiler_options`: off the CPU, or on a jaxlib that does not know the option): with
+        it, two of its d = 8 tails on two threads grew the process by ~20 MB/s (a 112-flow
+        sweep reached 14 GB), and nothing without it (benchmarks/README, "seventeenth
+        session")."""
+        from ._compile import compiler_options
+
+        return self.tail_method == "radau" and not compiler_options()
 
     @property
     def lean(self) -> bool:

@@ -143,7 +143,7 @@ class SweepSpec:
             raise ValueError(f"unknown depth_mode {self.depth_mode!r}; choose from {DEPTH_MODES}")
         if self.tails not in TAIL_MODES:
             raise ValueError(f"unknown tails {self.tails!r}; choose from {TAIL_MODES}")
-        if self.tails == "batch" and self.options.tails_run_alone:
+        if self.tails == "batch" and self.options.tails_batch_refused:
             raise ValueError(BATCHED_TAILS_REFUSED)
         if self.options.save or self.options.save_ts is not None:
             raise ValueError(
