@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks.__main__ import main
@@ -64,3 +65,21 @@ def test_both_tails_side_by_side_agree_on_a_short_tail(capsys):
     main(["3:1e-2:1"])
     out = capsys.readouterr().out
     assert out.count("converged") == 2 and "σ relative difference" in out
+
+
+def test_the_fusion_probe_compiles_both_ways_and_restores_gflows_options():
+    """`python -m benchmarks.fusion`: a sweep point solved compiled without XLA's YNNPACK
+    fusion (gflow's default) and with it, alternated; the probe leaves gflow's options as they
+    were, and the two solves end on the same top singular values."""
+    from benchmarks.fusion import WAYS, compiled, solves
+    from gflow.engine import _compile
+
+    before = _compile.compiler_options()
+    with compiled("with fusion"):
+        assert _compile.compiler_options() == {}
+    assert _compile.compiler_options() == before
+    rows = list(solves(["3:1e-2:1"]))
+    assert [row["way"] for row in rows] == list(WAYS)
+    assert all(row["result"].status_label == "converged" for row in rows)
+    np.testing.assert_allclose(rows[0]["sigma"][:2], rows[1]["sigma"][:2], rtol=1e-9)
+    assert _compile.compiler_options() == before
