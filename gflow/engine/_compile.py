@@ -199,8 +199,9 @@ def compile_timed(fn, *args, kind: str, key=None, out_like=None, options=None):
 # 0.12). Two such programs running at once on two threads, as a sweep's stiff tails do, grow
 # the process without bound: a jitted loop of one 288 × 320 × 96 float64 dot on two threads
 # by ~40 MB/s on jaxlib 0.10.2 (15 GB in 40 s on 0.12.1), two Radau tails by ~20 MB/s;
-# nothing with the fusion off, and gflow's solves were as fast or faster without it
-# (benchmarks/README, "seventeenth session"; `python -m benchmarks.fusion`).
+# nothing with the fusion off. Without it gflow's solves were 1.1–1.3× faster at d ≤ 50 and
+# on the d = 8 sweep, and within 3% at d = 100 and 200 (benchmarks/README, "seventeenth
+# session"; `python -m benchmarks.fusion`).
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
