@@ -32,6 +32,7 @@ from gflow.engine._threads import run_concurrently  # noqa: E402
 
 from .runoff import sweep_point  # noqa: E402
 from .scale import problem_and_init  # noqa: E402
+from .tails import parse_point  # noqa: E402
 
 WAYS = ("without fusion", "with fusion")  # gflow's default first
 
@@ -53,8 +54,7 @@ def case(name):
     if name.startswith("d"):
         problem, init = problem_and_init(int(name[1:]))
         return problem, init, gflow.FlowOptions()
-    depth, alpha, seed = name.split(":")
-    problem, init = sweep_point(int(depth), float(alpha), int(seed))
+    problem, init = sweep_point(*parse_point(name))
     return problem, init, gflow.FlowOptions(rtol=1e-10, max_steps=100_000)
 
 
