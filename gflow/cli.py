@@ -127,6 +127,14 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
         help="widen the stiff tail's step tolerance by the float64 rounding in the gradient "
         "(much faster on some plateaus; off by default: docs/theory.md section 5)",
     )
+    g.add_argument(
+        "--compensated-gradient",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="evaluate the stiff tail's gradient in double-double arithmetic: where float64 "
+        "rounding may be 1e-3 of it on factorisations of width <= 32 (auto, default), "
+        "always (on) or never (off)",
+    )
     g.add_argument("--t-max", type=_float_or_inf, default=FLOW_DEFAULTS.t_max)
     g.add_argument("--max-steps", type=int, default=FLOW_DEFAULTS.max_steps)
     g.add_argument("--clock", choices=list(CLOCKS), default=FLOW_DEFAULTS.clock)
@@ -207,6 +215,7 @@ def cmd_run(args) -> int:
         rosenbrock=args.rosenbrock,
         rounding_floor=args.rounding_floor,
         rounding_allowance=args.rounding_allowance,
+        compensated_gradient={"on": True, "off": False}.get(args.compensated_gradient, "auto"),
         t_max=args.t_max,
         max_steps=args.max_steps,
         clock=args.clock,

@@ -362,7 +362,7 @@ def gradient_evaluations(monkeypatch):
     from collections import OrderedDict
 
     import gflow.descent
-    from gflow.engine import _compile, _dynamics, _phases, _stopping
+    from gflow.engine import _compensated, _compile, _phases, _stopping
 
     count = {"n": 0}
 
@@ -375,8 +375,11 @@ def gradient_evaluations(monkeypatch):
 
     monkeypatch.setattr(_compile, "_PROGRAMS", OrderedDict())
     monkeypatch.setattr(_compile, "_program_path", lambda key, args: None)
-    for module in (_dynamics, _stopping, gflow.descent):
+    for module in (_compensated, _stopping, gflow.descent):
         monkeypatch.setattr(module, "loss_and_gradient", counting(module.loss_and_gradient))
+    # the stiff tail's `compensated_gradient="auto"`: one float64 gradient an evaluation,
+    # compensated or not
+    monkeypatch.setattr(_compensated, "_float", counting(_compensated._float))
     monkeypatch.setattr(_phases, "rounding_ratio", counting(_phases.rounding_ratio))
     return count
 
@@ -558,6 +561,7 @@ def test_a_deferred_head_is_the_same_program_whatever_the_tail_options():
         tail_scale="entry",
         rounding_floor=True,
         rounding_allowance=True,
+        compensated_gradient=False,
         linear_solver="dense",
         rosenbrock="rodas5p",
         preconditioner="spectral",

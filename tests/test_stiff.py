@@ -745,20 +745,26 @@ def test_the_opt_in_rounding_floor_stops_a_plateau_whose_gradient_is_rounding():
     than half its size, where at the initialisation the two orders of the product agree to
     ~1e-15. By default the tail goes on (here until its step budget runs out): the floor is
     not evidence that rounding decides how the flow leaves the plateau (docs/theory.md §5).
-    With the opt-in rounding allowance the tail's steps are no longer held to rtol in the
-    directions whose gradient is rounding: it leaves the plateau and converges to the target
-    (fully observed: σ = (3, 0.5)) within the same budget."""
+    All of that with the float64 gradient (`compensated_gradient=False`). With the opt-in
+    rounding allowance the tail's steps are no longer held to rtol in the directions whose
+    gradient is rounding: it leaves the plateau and converges to the target (fully observed:
+    σ = (3, 0.5)) within the same budget. By default the tail evaluates the gradient in
+    double-double arithmetic there, and leaves the plateau to the same target."""
     d = 4
     u = np.asarray(jax.random.normal(jax.random.key(0), (d, 2)))
     _, v = np.linalg.eigh(u @ u.T)
     problem = gflow.Problem(v @ np.diag([0.0, 0.0, 0.5, 3.0]) @ v.T, np.ones((d, d)))
     init = gflow.gaussian([d] * 6, 1e-4, jax.random.key(10))
     # a small loss-clock budget (10 × explicit_steps), so that the tail starts soon
-    budget = dict(max_steps=3_000, explicit_steps=200)
-    default = gflow.flow(problem, init, **budget)
-    assert default.status_label == "max_steps", default.status_message
-    assert default.end_phase == gflow.Phase.STIFF_TAIL
-    assert default.work()["stiff tail"]["steps"] == budget["max_steps"]
+    budget = dict(max_steps=3_000, explicit_steps=200, compensated_gradient=False)
+    plain = gflow.flow(problem, init, **budget)
+    assert plain.status_label == "max_steps", plain.status_message
+    assert plain.end_phase == gflow.Phase.STIFF_TAIL
+    assert plain.work()["stiff tail"]["steps"] == budget["max_steps"]
+    default = gflow.flow(problem, init, **(budget | {"compensated_gradient": "auto"}))
+    assert default.status_label == "converged", default.status_message
+    assert default.work()["stiff tail"]["steps"] < budget["max_steps"]
+    np.testing.assert_allclose(gflow.singular_values(default.model)[:2], [3.0, 0.5], rtol=1e-9)
     allowed = gflow.flow(problem, init, rounding_allowance=True, **budget)
     assert allowed.status_label == "converged", allowed.status_message
     assert allowed.end_phase == gflow.Phase.STIFF_TAIL
@@ -994,7 +1000,7 @@ def test_the_gradient_rounding_bound_holds_and_is_tight_where_the_gradient_is_ro
     precision), at an init and at a converged point, where the true gradient in most
     directions is far below the rounding; and it is within a modest factor of the rounding
     there, not vacuous."""
-    from gflow.engine._dynamics import gradient_rounding
+    from gflow.engine._compensated import gradient_rounding
 
     problem = gflow.bernoulli(8, 8, 0.5, 2, jax.random.key(0))
     init = gflow.gaussian([8] * 4, 0.3, jax.random.key(1))

@@ -7,7 +7,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..model import Factorization, loss_and_gradient, loss_hessian, tree_dot
+from ..model import Factorization, loss_hessian, tree_dot
+from ._compensated import compensated_loss_and_gradient
 
 
 def flatten(tree):
@@ -32,9 +33,11 @@ def loss_time_scale(loss, grad_sq):
     return jnp.where(grad_sq > 0, 2.0 * loss / safe, 0.0)
 
 
-def masked_loss_and_gradient(model, problem, layer_mask):
-    """loss and ∇loss; with a layer mask (depth padding), frozen layers get zero gradient."""
-    loss, g = loss_and_gradient(model, problem)
+def masked_loss_and_gradient(model, problem, layer_mask, compensated="never"):
+    """loss and ∇loss; with a layer mask (depth padding), frozen layers get zero gradient.
+    `compensated`: where the products are taken in double-double arithmetic (`_compensated`:
+    `never`, `auto` or `always`)."""
+    loss, g = compensated_loss_and_gradient(model, problem, compensated, layer_mask)
     if layer_mask is not None:
         g = Factorization([w * layer_mask[i] for i, w in enumerate(g.layers)])
     return loss, g
@@ -55,28 +58,9 @@ def rms(x, model, layer_mask):
     return jnp.sqrt(jnp.sum(weights * x**2) / jnp.sum(weights))
 
 
-def gradient_rounding(model: Factorization, problem, layer_mask) -> Factorization:
-    """A bound, per parameter, on the float rounding in the computed gradient: the unit roundoff
-    times the gradient formula evaluated on absolute values, ε·|A_l|ᵀ ρ |B_l|ᵀ with A_l, B_l
-    the products of |W| above and below layer l and ρ = |R| + M∘(|X*| + 2·|W_L|⋯|W_1|) (the
-    residual and what rounding in X and in X − X* adds to it). Where the true gradient is a
-    cancellation of such terms (directions the flow has converged in, or the symmetries of the
-    factorisation) the computed one is this rounding and nothing else."""
-    absolute = tuple(jnp.abs(w) for w in model.layers)
-    envelope = Factorization(absolute).product()
-    rho = jnp.abs(problem.residual(model.product())) + problem.mask * (
-        jnp.abs(problem.observed_target) + 2.0 * envelope
-    )
-    _, pullback = jax.vjp(lambda layers: Factorization(layers).product(), absolute)
-    (bound,) = pullback(rho.astype(envelope.dtype))
-    eps = jnp.finfo(envelope.dtype).eps
-    weights = [1.0] * model.depth if layer_mask is None else list(layer_mask)
-    return Factorization(tuple(eps * w * b for w, b in zip(weights, bound, strict=True)))
-
-
-def physical_rates(y, problem, layer_mask):
+def physical_rates(y, problem, layer_mask, compensated="never"):
     """dy/dt in physical time, with the loss and gradient it came from."""
-    loss, g = masked_loss_and_gradient(y["model"], problem, layer_mask)
+    loss, g = masked_loss_and_gradient(y["model"], problem, layer_mask, compensated)
     dy = {"model": jax.tree_util.tree_map(jnp.negative, g)}
     if "energy" in y:
         dy["energy"] = tree_dot(g, g)
@@ -95,16 +79,18 @@ def loss_clock_rates(y, problem, layer_mask):
 
 class FieldArgs(eqx.Module):
     """What a diffrax vector field needs besides (t, y): the problem, the absolute time at the
-    phase's local t = 0, whether t is a state (loss clock), and the layer mask."""
+    phase's local t = 0, whether t is a state (loss clock), the layer mask, and where the
+    gradient is compensated (`masked_loss_and_gradient`; the stiff tail's)."""
 
     problem: object
     t_offset: jax.Array | float
     loss_clock: bool = eqx.field(static=True)
     layer_mask: jax.Array | None
+    compensated: str = eqx.field(static=True, default="never")
 
 
 def physical_field(t, y, args: FieldArgs):
-    return physical_rates(y, args.problem, args.layer_mask)[0]
+    return physical_rates(y, args.problem, args.layer_mask, args.compensated)[0]
 
 
 def loss_clock_field(tau, y, args: FieldArgs):

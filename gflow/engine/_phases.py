@@ -17,9 +17,9 @@ import numpy as np
 import optimistix as optx
 
 from ..model import Factorization, tree_dot
+from ._compensated import gradient_rounding
 from ._dynamics import (
     FieldArgs,
-    gradient_rounding,
     loss_clock_field,
     loss_clock_rates,
     loss_time_scale,
@@ -82,13 +82,19 @@ class Setup(eqx.Module):
     summary: Callable | None = eqx.field(static=True)
     rounding_floor: bool = eqx.field(static=True, default=False)  # checked now: `for_tail`
     tail_rounding_floor: bool = eqx.field(static=True, default=False)  # the option
+    compensated: str = eqx.field(static=True, default="never")  # the gradient's, now
+    tail_compensated: str = eqx.field(static=True, default="never")  # the option
 
     def for_tail(self) -> Setup:
-        """This set-up with the stiff tail's step controller (`FlowOptions.tail_rtol`) and, if
-        asked for (`FlowOptions.rounding_floor`), its rounding floor; the stopping rule keeps
-        `rtol` and `atol`."""
+        """This set-up with the stiff tail's step controller (`FlowOptions.tail_rtol`), its
+        compensated gradient (`FlowOptions.compensated_gradient`) and, if asked for
+        (`FlowOptions.rounding_floor`), its rounding floor; the stopping rule keeps `rtol` and
+        `atol`."""
         return dataclasses.replace(
-            self, controller=self.tail_controller, rounding_floor=self.tail_rounding_floor
+            self,
+            controller=self.tail_controller,
+            rounding_floor=self.tail_rounding_floor,
+            compensated=self.tail_compensated,
         )
 
     def done(self, loss, g, model):
@@ -109,7 +115,9 @@ class Setup(eqx.Module):
         return (loss > self.loss_floor) & (ratio <= ROUNDING_RATIO)
 
     def stop(self, t, y, args, **kwargs):
-        loss, g = masked_loss_and_gradient(y["model"], self.problem, self.layer_mask)
+        loss, g = masked_loss_and_gradient(
+            y["model"], self.problem, self.layer_mask, self.compensated
+        )
         return self.done(loss, g, y["model"])
 
     @property
@@ -388,7 +396,7 @@ def physical_phase(setup: Setup, solver, y0, t_offset, t1, dt0, max_steps, lean)
     """Physical time from local time 0 (absolute time `t_offset`) to `t1`, or until the
     stopping rule fires."""
     grid = _sample_grid(setup, y0, t_offset, t1)
-    args = FieldArgs(setup.problem, t_offset, False, setup.layer_mask)
+    args = FieldArgs(setup.problem, t_offset, False, setup.layer_mask, setup.compensated)
     spacing = _spacing_evals(setup)
     if lean:
         run = lean_phase(
@@ -464,7 +472,7 @@ def stiff_phase(setup: Setup, solver, y0, t_offset, t1, max_steps) -> PhaseRun:
     them); with a fixed step in `diffeqsolve`."""
     if not isinstance(setup.controller, diffrax.AbstractAdaptiveStepSizeController):
         return physical_phase(setup, solver, y0, t_offset, t1, None, max_steps, lean=False)
-    args = FieldArgs(setup.problem, t_offset, False, setup.layer_mask)
+    args = FieldArgs(setup.problem, t_offset, False, setup.layer_mask, setup.compensated)
     grid = _sample_grid(setup, y0, t_offset, t1)
     run = integrate_solver(
         solver,

@@ -244,6 +244,7 @@ def _setup(problem, model, options: FlowOptions, layer_mask, observed=None) -> S
         save=options.save,
         summary=summary(options.save_layers, min(problem.shape)),
         tail_rounding_floor=options.rounding_floor,
+        tail_compensated=options.compensated_mode,
     )
 
 
