@@ -1,15 +1,18 @@
-"""`python -m benchmarks.tails`: the two stiff tails side by side, flow by flow.
+"""`python -m benchmarks.tails`: two ways of running the stiff tail side by side, flow by flow.
 
 For each d = 8 point of the `scale` benchmark's 112-flow sweep named on the command line
-(depth, α, seed), it runs `gflow.flow` at the sweep's options once with each stiff tail,
-`tail_method="rosenbrock"` (the default) and `"radau"`, one after the other in this process,
-and prints a row per run: status, solve time, the stiff tail's steps and rejections, its
+(depth, α, seed), it runs `gflow.flow` at the sweep's options once each way, one after the
+other in this process: `--vary tail` (default) the two stiff tails, `tail_method="rosenbrock"`
+(the default) and `"radau"`; `--vary gradient` the tail's gradient in float64
+(`compensated_gradient=False`) and compensated where rounding matters (`"auto"`, the default).
+It prints a row per run: status, solve time, the stiff tail's steps and rejections, its
 linear work (CG or Newton iterations, factorisations) and the top three singular values,
 then how far apart the two runs' singular values end where both converged. The sweep itself
-runs its tails concurrently; here each flow has the machine to itself, so that the two
-tails' times compare.
+runs its tails concurrently; here each flow has the machine to itself, so that the times
+compare.
 
     python -m benchmarks.tails 4:1e-2:2 4:1e-4:2 5:3e-3:2 --max-steps 100000
+    python -m benchmarks.tails 5:1e-4:1 5:3e-4:0 4:1e-3:0 --vary gradient
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ import gflow  # noqa: E402
 
 from .runoff import sweep_point  # noqa: E402
 
-METHODS = ("rosenbrock", "radau")
+WAYS = {
+    "tail": {"rosenbrock": {"tail_method": "rosenbrock"}, "radau": {"tail_method": "radau"}},
+    "gradient": {
+        "float64": {"compensated_gradient": False},
+        "compensated": {"compensated_gradient": "auto"},
+    },
+}
 
 
 def parse_point(text):
@@ -33,23 +42,23 @@ def parse_point(text):
     return int(depth), float(alpha), int(seed)
 
 
-def run(point, method, rtol, max_steps):
+def run(point, way, rtol, max_steps):
     problem, init = sweep_point(*point)
-    options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps, tail_method=method)
+    options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps, **way)
     result = gflow.flow(problem, init, options)
     tail = result.work().get("stiff tail", {})
     sigma = np.asarray(gflow.singular_values(result.model))[:3]
     return result, tail, sigma
 
 
-def compare(points, rtol=1e-10, max_steps=100_000):
-    """For each point, one row per tail (a dict: point, method, result, tail work, top-3 σ),
-    then, where both converged, the relative difference of their top-3 σ (`apart`, on the
-    second row)."""
+def compare(points, rtol=1e-10, max_steps=100_000, vary="tail"):
+    """For each point, one row per way of `vary` (a dict: point, method (the way's name),
+    result, tail work, top-3 σ), then, where both converged, the relative difference of their
+    top-3 σ (`apart`, on the second row)."""
     for point in points:
         rows = []
-        for method in METHODS:
-            result, tail, sigma = run(point, method, rtol, max_steps)
+        for method, way in WAYS[vary].items():
+            result, tail, sigma = run(point, way, rtol, max_steps)
             rows.append(dict(point=point, method=method, result=result, tail=tail, sigma=sigma))
         if all(row["result"].status_label == "converged" for row in rows):
             rows[-1]["apart"] = np.abs(rows[1]["sigma"] / rows[0]["sigma"] - 1)
@@ -65,21 +74,25 @@ def main(argv=None):
     parser.add_argument(
         "--max-steps", type=int, default=100_000, help="the sweep's step budget per phase"
     )
+    parser.add_argument(
+        "--vary", choices=sorted(WAYS), default="tail", help="what differs between the runs"
+    )
     args = parser.parse_args(argv)
+    ways = WAYS[args.vary]
 
-    # compile both tails' programs outside the clock, on a flow that reaches its tail quickly
-    for method in METHODS:
-        run((3, 1e-2, 1), method, args.rtol, args.max_steps)
+    # compile both ways' programs outside the clock, on a flow that reaches its tail quickly
+    for way in ways.values():
+        run((3, 1e-2, 1), way, args.rtol, args.max_steps)
 
     print(
-        f"{'point':>16} {'tail':>10} {'status':>10} {'solve s':>8} {'tail steps':>10} "
+        f"{'point':>16} {'way':>11} {'status':>10} {'solve s':>8} {'tail steps':>10} "
         f"{'rejected':>8} {'lin. iters':>10} {'factoriz.':>9}  top-3 σ",
         flush=True,
     )
-    for row in compare(args.points, args.rtol, args.max_steps):
+    for row in compare(args.points, args.rtol, args.max_steps, args.vary):
         result, tail = row["result"], row["tail"]
         print(
-            f"{str(row['point']):>16} {row['method']:>10} {result.status_label:>10} "
+            f"{str(row['point']):>16} {row['method']:>11} {result.status_label:>10} "
             f"{result.wall_time_s:8.1f} {tail.get('steps', 0):10d} "
             f"{tail.get('rejected_steps', 0):8d} {tail.get('linear_iters', 0):10d} "
             f"{tail.get('factorizations', 0):9d}  "
@@ -87,7 +100,8 @@ def main(argv=None):
             flush=True,
         )
         if "apart" in row:
-            print(f"{'':>16} σ relative difference (radau vs rosenbrock): {row['apart']}")
+            second, first = list(ways)[::-1]
+            print(f"{'':>16} σ relative difference ({second} vs {first}): {row['apart']}")
 
 
 if __name__ == "__main__":

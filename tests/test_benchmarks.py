@@ -67,6 +67,18 @@ def test_both_tails_side_by_side_agree_on_a_short_tail(capsys):
     assert out.count("converged") == 2 and "σ relative difference" in out
 
 
+def test_the_tail_with_and_without_the_compensated_gradient_side_by_side():
+    """`python -m benchmarks.tails --vary gradient`: the tail's float64 and compensated
+    gradients on a sweep point end on the same singular values (test_stiff's rounding-floor
+    test has a plateau only the compensated one leaves)."""
+    from benchmarks.tails import compare, parse_point
+
+    rows = list(compare([parse_point("3:1e-2:1")], vary="gradient"))
+    assert [row["method"] for row in rows] == ["float64", "compensated"]
+    assert all(row["result"].status_label == "converged" for row in rows)
+    assert rows[1]["apart"][:2].max() < 1e-9
+
+
 def test_the_fusion_probe_compiles_both_ways_and_restores_gflows_options():
     """`python -m benchmarks.fusion`: a sweep point solved compiled without XLA's YNNPACK
     fusion (gflow's default) and with it, alternated; the probe leaves gflow's options as they
