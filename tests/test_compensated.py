@@ -54,12 +54,17 @@ def _exact_gradient(layers, target, mask):
     return gradient
 
 
-def _rounding_state(depth=3, d=4, scale=3.0, seed=0):
-    """Layers, and a target equal on Ω to their float64 product: the float64 residual is 0 and
-    so is its gradient, while the exact residual is the product's rounding."""
+def _rounding_state(depth=3, d=4, scale=3.0, seed=0, widths=None):
+    """Layers (square d × d, or of `widths` from input to output), and a target equal on Ω to
+    their float64 product: the float64 residual is 0 and so is its gradient, while the exact
+    residual is the product's rounding."""
     rng = np.random.default_rng(seed)
-    layers = [jnp.asarray(scale * rng.normal(size=(d, d))) for _ in range(depth)]
-    mask = jnp.asarray((rng.random((d, d)) < 0.6).astype(np.float64))
+    widths = widths or [d] * (depth + 1)
+    layers = [
+        jnp.asarray(scale * rng.normal(size=(n_out, n_in)))
+        for n_in, n_out in zip(widths[:-1], widths[1:], strict=True)
+    ]
+    mask = jnp.asarray((rng.random((widths[-1], widths[0])) < 0.6).astype(np.float64))
     target = Factorization(layers).product()
     return layers, gflow.Problem(target, mask)
 
@@ -69,8 +74,9 @@ _auto = jax.jit(lambda m, p: compensated_loss_and_gradient(m, p, "auto"))
 _float = jax.jit(loss_and_gradient)
 
 
-def test_the_compensated_gradient_is_exact_where_float64_computes_only_rounding():
-    layers, problem = _rounding_state()
+@pytest.mark.parametrize("widths", [None, [4, 6, 5, 3]], ids=["square", "rectangular"])
+def test_the_compensated_gradient_is_exact_where_float64_computes_only_rounding(widths):
+    layers, problem = _rounding_state(widths=widths)
     exact = _exact_gradient(layers, problem.target, problem.mask)
     _, plain = _float(Factorization(layers), problem)
     _, compensated = _exact(Factorization(layers), problem)

@@ -120,23 +120,59 @@ def _pair(x):
 
 
 def _compensated(layers, target, mask):
+    if len(layers) > 2 and len({w.shape for w in layers}) == 1:
+        return _compensated_square(layers, target, mask)
     depth = len(layers)
     below = [None] * depth  # W_{k-1}⋯W_1 (None: the identity)
     product = None
     for k in range(depth):
         below[k] = product
         product = _pair(layers[k]) if product is None else dd_matmul(layers[k], product)
-    observed = mask == 1
-    residual = dd_add(product, _pair(-jnp.where(observed, target, 0.0)))
-    residual = tuple(jnp.where(observed, part, 0.0) for part in residual)
-    loss = 0.5 * jnp.sum((residual[0] + residual[1]) ** 2)
     gradient = [None] * depth
-    above = residual  # (W_L⋯W_{k+1})ᵀ R
+    loss, above = _residual(product, target, mask)  # then (W_L⋯W_{k+1})ᵀ R
     for k in reversed(range(depth)):
         if k < depth - 1:
             above = dd_matmul(layers[k + 1].T, above)
         g = above if below[k] is None else dd_matmul(above, (below[k][0].T, below[k][1].T))
         gradient[k] = g[0] + g[1]
+    return loss, tuple(gradient)
+
+
+def _residual(product, target, mask):
+    observed = mask == 1
+    residual = dd_add(product, _pair(-jnp.where(observed, target, 0.0)))
+    residual = tuple(jnp.where(observed, part, 0.0) for part in residual)
+    return 0.5 * jnp.sum((residual[0] + residual[1]) ** 2), residual
+
+
+def _compensated_square(layers, target, mask):
+    """The same for layers of one square shape, the chains as `lax.scan`s: one product's code
+    each, however deep (a tail program holds this at every evaluation of its field)."""
+    stack = jnp.stack(layers)
+
+    def down(product, w):  # W_k ⋯ W_1 from W_{k-1} ⋯ W_1
+        product = dd_matmul(w, product)
+        return product, product
+
+    product, below = jax.lax.scan(down, _pair(stack[0]), stack[1:])
+    loss, residual = _residual(product, target, mask)
+
+    def up(above, w):  # (W_L ⋯ W_k)ᵀ R from (W_L ⋯ W_{k+1})ᵀ R
+        above = dd_matmul(w.T, above)
+        return above, above
+
+    _, above = jax.lax.scan(up, residual, stack[1:], reverse=True)
+    # gradient k = (W_L⋯W_{k+1})ᵀ R (W_{k−1}⋯W_1)ᵀ: the first factors are `above` (k < L)
+    # and R; the second, W_1 and `below` but its last (k > 1)
+    firsts = tuple(jnp.concatenate([a, r[None]]) for a, r in zip(above, residual, strict=True))
+    seconds = tuple(
+        jnp.concatenate([w[None], b[:-1]]) for w, b in zip(_pair(stack[0]), below, strict=True)
+    )
+    seconds = jax.vmap(lambda ah, al, bh, bl: dd_matmul((ah, al), (bh.T, bl.T)))(
+        firsts[0][1:], firsts[1][1:], seconds[0], seconds[1]
+    )
+    gradient = [firsts[0][0] + firsts[1][0]]
+    gradient += list(seconds[0] + seconds[1])
     return loss, tuple(gradient)
 
 
