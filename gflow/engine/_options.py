@@ -126,7 +126,8 @@ class FlowOptions(eqx.Module):
       gradient flow: a d = 8 random mask (depth 5, α = 1e-4, seed 1) ran out of 100k tail
       steps in float64 and converges in 1,989 with `auto` (3.0 s). Its derivative (the
       Hessian-vector products and Hessians of the stiff solvers) stays float64. A
-      double-double gradient costs ~5–7 float64 ones at d = 8.
+      double-double gradient costs ~1.6 float64 ones at d = 8 (square layers, called alone), and
+      a tail program that may take it compiles ~3 s longer.
     - `t_max`: physical-time horizon (`inf` by default: stop on convergence).
     - `max_steps`: step budget per clock phase; the solve always terminates.
     - `clock`: `auto`, `physical` or `loss` (docs/theory.md §5). Sampling at `save_ts` and
