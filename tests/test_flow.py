@@ -375,11 +375,10 @@ def gradient_evaluations(monkeypatch):
 
     monkeypatch.setattr(_compile, "_PROGRAMS", OrderedDict())
     monkeypatch.setattr(_compile, "_program_path", lambda key, args: None)
+    # (the stiff tail's `compensated_gradient="auto"` takes one float64 gradient an
+    # evaluation, compensated or not, through `_compensated.loss_and_gradient`)
     for module in (_compensated, _stopping, gflow.descent):
         monkeypatch.setattr(module, "loss_and_gradient", counting(module.loss_and_gradient))
-    # the stiff tail's `compensated_gradient="auto"`: one float64 gradient an evaluation,
-    # compensated or not
-    monkeypatch.setattr(_compensated, "_float", counting(_compensated._float))
     monkeypatch.setattr(_phases, "rounding_ratio", counting(_phases.rounding_ratio))
     return count
 

@@ -119,9 +119,9 @@ def _pair(x):
     return x, jnp.zeros_like(x)
 
 
-def _compensated(layers, target, mask):
+def _compensated(layers, problem):
     if len(layers) > 2 and len({w.shape for w in layers}) == 1:
-        return _compensated_square(layers, target, mask)
+        return _compensated_square(layers, problem)
     depth = len(layers)
     below = [None] * depth  # W_{k-1}⋯W_1 (None: the identity)
     product = None
@@ -129,7 +129,7 @@ def _compensated(layers, target, mask):
         below[k] = product
         product = _pair(layers[k]) if product is None else dd_matmul(layers[k], product)
     gradient = [None] * depth
-    loss, above = _residual(product, target, mask)  # then (W_L⋯W_{k+1})ᵀ R
+    loss, above = _residual(product, problem)  # then (W_L⋯W_{k+1})ᵀ R
     for k in reversed(range(depth)):
         if k < depth - 1:
             above = dd_matmul(layers[k + 1].T, above)
@@ -138,14 +138,13 @@ def _compensated(layers, target, mask):
     return loss, tuple(gradient)
 
 
-def _residual(product, target, mask):
-    observed = mask == 1
-    residual = dd_add(product, _pair(-jnp.where(observed, target, 0.0)))
-    residual = tuple(jnp.where(observed, part, 0.0) for part in residual)
+def _residual(product, problem):
+    residual = dd_add(product, _pair(-problem.observed_target))
+    residual = tuple(jnp.where(problem.mask == 1, part, 0.0) for part in residual)
     return 0.5 * jnp.sum((residual[0] + residual[1]) ** 2), residual
 
 
-def _compensated_square(layers, target, mask):
+def _compensated_square(layers, problem):
     """The same for layers of one square shape, the chains as `lax.scan`s: one product's code
     each, however deep (a tail program holds this at every evaluation of its field)."""
     stack = jnp.stack(layers)
@@ -155,7 +154,7 @@ def _compensated_square(layers, target, mask):
         return product, product
 
     product, below = jax.lax.scan(down, _pair(stack[0]), stack[1:])
-    loss, residual = _residual(product, target, mask)
+    loss, residual = _residual(product, problem)
 
     def up(above, w):  # (W_L ⋯ W_k)ᵀ R from (W_L ⋯ W_{k+1})ᵀ R
         above = dd_matmul(w.T, above)
@@ -176,13 +175,9 @@ def _compensated_square(layers, target, mask):
     return loss, tuple(gradient)
 
 
-def _float(layers, target, mask):
-    def loss(layers):
-        x = Factorization(list(layers)).product()
-        return 0.5 * jnp.sum(jnp.where(mask == 1, x - target, 0.0) ** 2)
-
-    value, gradient = jax.value_and_grad(loss)(tuple(layers))
-    return value, tuple(gradient)
+def _float(layers, problem):
+    value, gradient = loss_and_gradient(Factorization(list(layers)), problem)
+    return value, tuple(gradient.layers)
 
 
 def rounding_share_exceeds(layers, loss, gradient, problem, layer_mask, share):
@@ -205,10 +200,10 @@ def rounding_share_exceeds(layers, loss, gradient, problem, layer_mask, share):
 
 def _choose(layers, problem, layer_mask, share, value, gradient):
     if share is None:
-        return _compensated(layers, problem.target, problem.mask)
+        return _compensated(layers, problem)
     return jax.lax.cond(
         rounding_share_exceeds(layers, value, gradient, problem, layer_mask, share),
-        lambda: _compensated(layers, problem.target, problem.mask),
+        lambda: _compensated(layers, problem),
         lambda: (value, gradient),
     )
 
@@ -216,17 +211,15 @@ def _choose(layers, problem, layer_mask, share, value, gradient):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def _loss_and_gradient(layers, problem, layer_mask, share):
     if share is None:
-        return _compensated(layers, problem.target, problem.mask)
-    value, gradient = _float(layers, problem.target, problem.mask)
+        return _compensated(layers, problem)
+    value, gradient = _float(layers, problem)
     return _choose(layers, problem, layer_mask, share, value, gradient)
 
 
 @_loss_and_gradient.defjvp
 def _loss_and_gradient_jvp(share, primals, tangents):
     layers, problem, layer_mask = primals
-    (value, gradient), tangent = jax.jvp(
-        lambda ls: _float(ls, problem.target, problem.mask), (layers,), (tangents[0],)
-    )
+    (value, gradient), tangent = jax.jvp(lambda ls: _float(ls, problem), (layers,), (tangents[0],))
     return _choose(layers, problem, layer_mask, share, value, gradient), tangent
 
 
