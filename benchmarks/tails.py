@@ -2,17 +2,21 @@
 
 For each d = 8 point of the `scale` benchmark's 112-flow sweep named on the command line
 (depth, α, seed), it runs `gflow.flow` at the sweep's options once each way, one after the
-other in this process: `--vary tail` (default) the two stiff tails, `tail_method="rosenbrock"`
-(the default) and `"radau"`; `--vary gradient` the tail's gradient in float64
+other in this process: `--vary tail` (default) the two stiff tails throughout,
+`tail_method="rosenbrock"` and `"radau"`; `--vary handover` the Rosenbrock tail throughout
+against the default, `"auto"` (Radau IIA from where the Rosenbrock tail still runs after
+`radau_after` steps); `--vary gradient` the tail's gradient in float64
 (`compensated_gradient=False`) and compensated where rounding matters (`"auto"`, the default).
-It prints a row per run: status, solve time, the stiff tail's steps and rejections, its
-linear work (CG or Newton iterations, factorisations) and the top three singular values,
+It prints a row per run: status, solve time, the stiff tail's steps and rejections (both of
+its stages with `auto`), its linear work (CG or Newton iterations, factorisations) and the
+top three singular values,
 then how far apart the two runs' singular values end where both converged. The sweep itself
 runs its tails concurrently; here each flow has the machine to itself, so that the times
 compare.
 
     python -m benchmarks.tails 4:1e-2:2 4:1e-4:2 5:3e-3:2 --max-steps 100000
     python -m benchmarks.tails 5:1e-4:1 5:3e-4:0 4:1e-3:0 --vary gradient
+    python -m benchmarks.tails 5:1e-2:0 5:1e-3:2 4:1e-2:2 --vary handover
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from .runoff import sweep_point  # noqa: E402
 
 WAYS = {
     "tail": {"rosenbrock": {"tail_method": "rosenbrock"}, "radau": {"tail_method": "radau"}},
+    "handover": {"rosenbrock": {"tail_method": "rosenbrock"}, "auto": {"tail_method": "auto"}},
     "gradient": {
         "float64": {"compensated_gradient": False},
         "compensated": {"compensated_gradient": "auto"},
@@ -46,7 +51,8 @@ def run(point, way, rtol, max_steps):
     problem, init = sweep_point(*point)
     options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps, **way)
     result = gflow.flow(problem, init, options)
-    tail = result.work().get("stiff tail", {})
+    stages = [result.work().get(phase, {}) for phase in ("stiff tail", "radau tail")]
+    tail = {k: sum(stage.get(k, 0) for stage in stages) for k in set().union(*stages)}
     sigma = np.asarray(gflow.singular_values(result.model))[:3]
     return result, tail, sigma
 

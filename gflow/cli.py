@@ -106,8 +106,15 @@ def _add_solver_options(p: argparse.ArgumentParser) -> None:
         "--tail-method",
         choices=list(TAIL_METHODS),
         default=FLOW_DEFAULTS.tail_method,
-        help="how the stiff tail steps: rosenbrock (default) or radau (Radau IIA: far longer "
-        "steps where the top singular value runs off; dense P × P algebra)",
+        help="how the stiff tail steps: rosenbrock, radau (Radau IIA: far longer steps where "
+        "the top singular value runs off; dense P × P algebra) or auto (rosenbrock, then radau "
+        "from where a tail still runs after --radau-after steps)",
+    )
+    g.add_argument(
+        "--radau-after",
+        type=int,
+        default=FLOW_DEFAULTS.radau_after,
+        help="with --tail-method auto, the Rosenbrock tail steps after which Radau IIA goes on",
     )
     g.add_argument(
         "--rosenbrock",
@@ -212,6 +219,7 @@ def cmd_run(args) -> int:
         tail_rtol=args.tail_rtol,
         tail_scale=args.tail_scale,
         tail_method=args.tail_method,
+        radau_after=args.radau_after,
         rosenbrock=args.rosenbrock,
         rounding_floor=args.rounding_floor,
         rounding_allowance=args.rounding_allowance,

@@ -565,6 +565,7 @@ def test_a_deferred_head_is_the_same_program_whatever_the_tail_options():
         rosenbrock="rodas5p",
         preconditioner="spectral",
         gauss_newton="eigh",
+        radau_after=50,
     )
     radau = dict(tail_method="radau")  # with the Rosenbrock's options but rounding_allowance
     assert sorted([*changed, *radau]) == sorted(TAIL_ONLY)

@@ -70,6 +70,8 @@ def test_tail_method_is_checked():
         gflow.FlowOptions(solver="tsit5", tail_method="radau")
     with pytest.raises(ValueError, match="rounding_allowance"):
         gflow.FlowOptions(tail_method="radau", rounding_allowance=True)
+    with pytest.raises(ValueError, match="tail_scale='entry'"):
+        gflow.FlowOptions(tail_method="radau", tail_scale="entry")
     solver = _radau.RadauIIA(entries=4, jacobian=None, step_tolerance=(1e-10, 1e-12))
     too_large = {"model": gflow.gaussian([65, 65], 0.1, key=0), "energy": jnp.zeros(())}
     with pytest.raises(ValueError, match="P = 4225 > 4096"):
@@ -135,6 +137,64 @@ def test_radau_tails_are_not_batched():
         gflow.flow_batch(problem, models, options, tails="batch")
     with pytest.raises(ValueError, match="tails='apart'"):
         gflow.SweepSpec(axes={"alpha": [0.1]}, options=options, tails="batch")
+
+
+def test_the_auto_tail_hands_a_long_rosenbrock_tail_over_to_radau(radau_case):
+    """`tail_method="auto"`: the Rosenbrock tail for `radau_after` steps, then Radau IIA from
+    where it stands, to the reference; a batch's tails (run side by side on threads, each
+    compiling or finding the Radau stage's program) end where the flow alone does."""
+    problem, init, _, reference = radau_case
+    options = gflow.FlowOptions(tail_method="auto", radau_after=20)
+    models = gflow.stack([init, gflow.gaussian([8] * 4, 0.05, key=2)])
+    batch = gflow.flow_batch(problem, models, options)
+    assert batch.status_label == ["converged", "converged"]
+    auto = batch.member(0)
+    assert auto.end_phase == gflow.Phase.RADAU_TAIL
+    work = auto.work()
+    assert work["stiff tail"]["steps"] == 20 and work["radau tail"]["steps"] > 0
+    assert int(auto.num_steps) == sum(phase["steps"] for phase in work.values())
+    assert int(auto.num_rhs_evals) == sum(phase["rhs_evals"] for phase in work.values())
+    s = np.asarray(gflow.singular_values(reference.model))
+    top = int(np.sum(s >= 1e-5 * s[0]))
+    distance = gflow.endpoint_distance(auto, reference, problem, top=top)
+    assert distance["singular_values"] <= 1e-8, distance
+    assert distance["unobserved"] <= 1e-8, distance
+    alone = gflow.flow(problem, init, options)
+    np.testing.assert_array_equal(alone.model.product(), auto.model.product())
+    assert alone.work() == work
+
+
+def test_the_auto_tail_is_the_rosenbrock_tail_where_that_finishes_in_time(radau_case):
+    problem, init, _, _ = radau_case
+    rosenbrock = gflow.flow(problem, init, tail_method="rosenbrock")
+    auto = gflow.flow(problem, init)
+    assert rosenbrock.work()["stiff tail"]["steps"] < gflow.FlowOptions().radau_after
+    assert auto.end_phase == gflow.Phase.STIFF_TAIL and "radau tail" not in auto.work()
+    np.testing.assert_array_equal(auto.model.product(), rosenbrock.model.product())
+
+
+def test_the_auto_tail_has_a_radau_stage_only_where_one_can_go_on():
+    """`_solve.tail_stages`: a tail batched under vmap, a model past Radau's dense limit, a
+    budget within `radau_after`, the Rosenbrock tableau's rounding allowance or a per-entry
+    step error keep the Rosenbrock method for the whole budget."""
+    from gflow.engine._solve import RADAU_STEP_COST, tail_stages
+
+    small = gflow.gaussian([8] * 4, 0.05, key=1)
+    options = gflow.FlowOptions(tail_method="auto", radau_after=500, max_steps=10_500)
+    radau_steps = 10_000 // RADAU_STEP_COST
+    assert tail_stages(options, small) == (("rosenbrock", 500), ("radau", radau_steps))
+    assert tail_stages(options, small, continued=False) == (("rosenbrock", 10_500),)
+    large = gflow.gaussian([65, 65], 0.1, key=0)
+    assert tail_stages(options, large) == (("rosenbrock", 10_500),)
+    short = gflow.FlowOptions(tail_method="auto", radau_after=500, max_steps=500)
+    assert tail_stages(short, small) == (("rosenbrock", 500),)
+    for method in ("rosenbrock", "radau"):
+        assert tail_stages(gflow.FlowOptions(tail_method=method), small) == ((method, 100_000),)
+    with pytest.raises(ValueError, match="radau_after"):
+        gflow.FlowOptions(tail_method="auto", radau_after=0)
+    for rosenbrock_only in (dict(rounding_allowance=True), dict(tail_scale="entry")):
+        kept = gflow.FlowOptions(radau_after=500, max_steps=10_500, **rosenbrock_only)
+        assert tail_stages(kept, small) == (("rosenbrock", 10_500),)
 
 
 @pytest.mark.slow

@@ -114,7 +114,16 @@ def program(kind: str, config, args, make_fn, *, extra=(), out_like=None, rememb
     `config` (options), `extra` (batching) and the structure and shapes of `args`: a sweep
     compiles once per shape group, and a later call with other shapes cannot silently recompile
     (an executable only accepts its own shapes). Returns (a callable taking `args`, its
-    `CompileTime`). With `remember=False` (a config without a stable identity) nothing is kept."""
+    `CompileTime`). With `remember=False` (a config without a stable identity) nothing is kept.
+    Threads compile one at a time (a sweep's tail threads may compile a later tail stage)."""
+    with _ONE_AT_A_TIME:
+        return _program(kind, config, args, make_fn, extra, out_like, remember)
+
+
+_ONE_AT_A_TIME = threading.RLock()
+
+
+def _program(kind, config, args, make_fn, extra, out_like, remember):
     leaves = jax.tree_util.tree_leaves(args)
     options = compiler_options()
     key = (

@@ -123,9 +123,9 @@ class PendingTails:
             compiled, start, compile_time = _tail_program(problem_i, init, head_i, options)
             self.compile_time += compile_time
             self.calls.append(
-                lambda compiled=compiled, args=(problem_i, init, start): jax.tree_util.tree_map(
-                    np.asarray, compiled(*args)
-                )
+                lambda compiled=compiled, args=(problem_i, init, start): _later_stages(
+                    *args[:2], jax.tree_util.tree_map(np.asarray, compiled(*args)), options
+                )[0]
             )
             self.rows = max(self.rows, factorised_rows(init, options, observed_bound(problem_i)))
 
@@ -145,16 +145,24 @@ class PendingTails:
         return stack(members)
 
 
-def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes=None):
+def _tail_program(
+    problem, init, head: FlowResult, options: FlowOptions, in_axes=None, stage: int = 0
+):
     """The compiled stiff tail of an unpadded flow from `init` whose head (a `defer_tail=True`
     solve's result) is `head`, or with `in_axes` (the problem's and the model's, as the head's
     program was batched) of a batch finished together: (program, the head as the program
-    takes it, its `CompileTime`)."""
+    takes it, its `CompileTime`). `stage`: which of `_solve.tail_stages` (a later stage goes
+    on from the previous one's result, `head`)."""
     like = result_like(init, options)
     start = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(like), jax.tree_util.tree_leaves(head)
     )
-    observed = observed_bound(problem)
+    from ._solve import tail_stages
+
+    method, _ = tail_stages(options, init, continued=in_axes is None)[stage]
+    # Radau's Newton matrix is formed from 3 × `observed` rows at every step: it takes the
+    # count to a multiple of 8, not 64 (a d = 8 mask's ~32 entries, not 64)
+    observed = observed_bound(problem, RADAU_MULTIPLE if method == "radau" else 64)
     rank = tangent_rank(problem, options, observed, head)
     axis = None if in_axes is None else "flows"
 
@@ -162,7 +170,7 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
         from ._solve import finish_tail
 
         fn = lambda p, m, h: finish_tail(
-            p, m, h, options, observed=observed, batch_axis=axis, tangent_rank=rank
+            p, m, h, options, observed=observed, batch_axis=axis, tangent_rank=rank, stage=stage
         )
         return fn if in_axes is None else jax.vmap(fn, in_axes=(*in_axes, 0), axis_name=axis)
 
@@ -171,10 +179,25 @@ def _tail_program(problem, init, head: FlowResult, options: FlowOptions, in_axes
         options,
         (problem, init, start),
         make_fn,
-        extra=(observed, rank, in_axes),
+        extra=(observed, rank, in_axes, stage),
         out_like=like,
     )
     return compiled, start, compile_time
+
+
+def _later_stages(problem, init, result: FlowResult, options: FlowOptions):
+    """The flow `result` of a tail program run alone, carried through the later stages of
+    `_solve.tail_stages` while it is `PENDING` (out of its Rosenbrock steps, with Radau IIA to
+    go on): (the result, those programs' `CompileTime`). A later stage's program is compiled
+    only when a flow reaches it, in whatever thread that is (`program` compiles one at a
+    time)."""
+    compile_time, stage = ALREADY_COMPILED, 0
+    while np.any(np.asarray(result.status) == Status.PENDING):
+        stage += 1
+        compiled, start, more = _tail_program(problem, init, result, options, stage=stage)
+        compile_time += more
+        result = jax.tree_util.tree_map(np.asarray, compiled(problem, init, start))
+    return result, compile_time
 
 
 def result_like(model: Factorization, options: FlowOptions) -> FlowResult:
@@ -195,7 +218,16 @@ def _run(compiled, problem, model, options, in_axes=None, lazy=False):
     tail, head, tail_compile = _tail_program(problem, model, result, options, in_axes)
     start = time.perf_counter()
     result = jax.block_until_ready(tail(problem, model, head))
-    return result, wall + time.perf_counter() - start, tail_compile
+    wall += time.perf_counter() - start
+    if in_axes is None:  # a batched tail has one stage (`_solve.tail_stages`)
+        start = time.perf_counter()
+        result, later_compile = _later_stages(problem, model, result, options)
+        tail_compile += later_compile
+        wall += time.perf_counter() - start - later_compile.seconds
+    return result, wall, tail_compile
+
+
+RADAU_MULTIPLE = 8
 
 
 def observed_bound(problem: Problem, multiple: int = 64) -> int:

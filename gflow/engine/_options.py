@@ -17,8 +17,10 @@ LINEAR_SOLVERS = ("auto", "dense", "cg")
 # the stiff tail's Rosenbrock tableau: `auto` (the default, `_solve.tail_tableau`), then the
 # tableaus of `_rosenbrock.TABLEAUS`
 ROSENBROCK = ("auto", "rodas4p2", "rodas5p", "rodas4p", "rodas4")
-# how the stiff tail steps: a Rosenbrock method (`_rosenbrock`) or Radau IIA (`_radau`)
-TAIL_METHODS = ("rosenbrock", "radau")
+# how the stiff tail steps: the Rosenbrock method handing a long tail over to Radau IIA
+# (`auto`, the default: `_solve.tail_stages`), a Rosenbrock method (`_rosenbrock`) throughout,
+# or Radau IIA (`_radau`) throughout
+TAIL_METHODS = ("auto", "rosenbrock", "radau")
 PRECONDITIONERS = ("gauss-newton", "spectral", "none")
 GAUSS_NEWTON = ("auto", "inverse", "eigh", "cholesky", "tangent")
 TAIL_SCALES = ("layer", "entry")
@@ -36,6 +38,7 @@ TAIL_ONLY = (
     "compensated_gradient",
     "linear_solver",
     "tail_method",
+    "radau_after",
     "rosenbrock",
     "preconditioner",
     "gauss_newton",
@@ -142,19 +145,32 @@ class FlowOptions(eqx.Module):
       parameters, else matrix-free CG on Hessian-vector products; up to 1,024 parameters a
       step whose CG does not converge within about a dense step's cost is solved densely),
       `dense` or `cg`.
-    - `tail_method`: how the stiff tail steps: `rosenbrock` (default; the options below) or
-      `radau`: three-stage Radau IIA (order 5), its Newton iteration taking each stage's own
+    - `tail_method`: how the stiff tail steps: `auto` (default): the Rosenbrock method (the
+      options below), and where its tail has not converged after `radau_after` steps, Radau
+      IIA from where it stands, for what is left of `max_steps` (a Radau step counted as
+      `_solve.RADAU_STEP_COST` = 8 of them; `Phase.RADAU_TAIL` in `work()`). Only a tail run
+      alone hands over: tails batched under vmap (`tails="batch"`, `solver="rodas4"`), models
+      past Radau's dense limit, `rounding_allowance`, `tail_scale="entry"` (Radau's errors
+      are layer-scaled) and compilations with XLA's YNNPACK fusion (off the CPU) keep the
+      Rosenbrock method throughout. On the 112-flow d = 8 sweep
+      of the `scale` benchmark it converged two flows more and ran 1.3–1.4× faster, the top
+      two singular values of the flows both ways converge within 4e-9 of each other; a
+      third singular value that escapes last was 1.9e-8 off an rtol-1e-12 reference where the
+      Rosenbrock tail throughout is 1.0e-8 off (benchmarks/README, "nineteenth session").
+      `rosenbrock`: the Rosenbrock method throughout (before 2026-12-07). `radau`:
+      three-stage Radau IIA (order 5) throughout, its Newton iteration taking each stage's own
       Gauss–Newton curvature (engine/_radau.py). On flows whose top singular value runs off
       it keeps its accuracy at 100–250× the Rosenbrock method's step: a d = 8 random mask
       (depth 4, α = 1e-4, seed 2) crossed t = 1e8 → 3e8 in 156 steps against 30,153, with σ₁
-      6.5e-10 apart (benchmarks/README, "A Radau IIA tail"). Opt-in: where the Rosenbrock
-      method is not held it is no faster, and on one such flow its third singular value was
-      2.8e-8 off an rtol-1e-12 reference (RODAS4P2's 8e-9). It forms the P × P Hessian and
-      its eigendecomposition every 50 steps (P ≤ 4,096, else an error); its tails run side by
-      side in sweeps and batches where gflow compiles without XLA's YNNPACK fusion (on the
-      CPU; elsewhere one at a time: with it they leaked memory, `tails_run_alone`) and are
-      never batched under vmap (`tails="batch"` is refused: a batched one hung); `linear_solver`,
-      `rosenbrock`, `preconditioner` and `gauss_newton` do not apply to it.
+      6.5e-10 apart (benchmarks/README, "A Radau IIA tail"); where the Rosenbrock method is
+      not held it is no faster. It forms the P × P Hessian and its eigendecomposition every
+      50 steps (P ≤ 4,096, else an error); its tails run side by side in sweeps and batches
+      where gflow compiles without XLA's YNNPACK fusion (on the CPU; elsewhere one at a time:
+      with it they leaked memory, `tails_run_alone`) and are never batched under vmap
+      (`tails="batch"` is refused: a batched one hung); `linear_solver`, `rosenbrock`,
+      `preconditioner` and `gauss_newton` do not apply to it.
+    - `radau_after`: with `tail_method="auto"`, the Rosenbrock tail steps after which Radau
+      IIA goes on (default 3,000).
     - `rosenbrock`: the tableau of that Rosenbrock method: `auto` (default): `rodas5p` where
       the Gauss–Newton preconditioner holds ≥ 1,024 observed entries, else `rodas4p2`;
       `rodas4p2` (order 4, six stages); `rodas5p` (order 5, eight stages: 1.4–2× fewer tail
@@ -208,7 +224,8 @@ class FlowOptions(eqx.Module):
     save_layers: bool = False
     certificates: bool = False
     linear_solver: str = "auto"
-    tail_method: str = "rosenbrock"
+    tail_method: str = "auto"
+    radau_after: int = 3_000
     rosenbrock: str = "auto"
     preconditioner: str = "gauss-newton"
     gauss_newton: str = "auto"
@@ -246,6 +263,12 @@ class FlowOptions(eqx.Module):
         if self.tail_method not in TAIL_METHODS:
             raise ValueError(
                 f"unknown tail_method {self.tail_method!r}; choose from {TAIL_METHODS}"
+            )
+        if self.tail_method == "radau" and self.tail_scale == "entry":
+            raise ValueError(
+                "tail_scale='entry' holds each entry's step error to its own size; "
+                "tail_method='radau' measures its Newton and step errors against each layer's "
+                "RMS entry (tail_scale='layer') and rejected every step under the per-entry rule"
             )
         if self.tail_method == "radau" and self.rounding_allowance:
             raise ValueError(
@@ -316,6 +339,8 @@ class FlowOptions(eqx.Module):
             raise ValueError(f"t_max must be > 0, got {self.t_max}")
         if not _positive_int(self.max_steps):
             raise ValueError(f"max_steps must be a positive integer, got {self.max_steps!r}")
+        if not _positive_int(self.radau_after):
+            raise ValueError(f"radau_after must be a positive integer, got {self.radau_after!r}")
         if not _positive_int(self.explicit_steps):
             raise ValueError(
                 f"explicit_steps must be a positive integer, got {self.explicit_steps}"

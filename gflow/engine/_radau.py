@@ -1,5 +1,6 @@
-"""Three-stage Radau IIA for the stiff tail of gradient flows with a dense Hessian
-(`FlowOptions(tail_method="radau")`).
+"""Three-stage Radau IIA for the stiff tail of gradient flows with a dense Hessian: where a
+Rosenbrock tail still runs after `radau_after` steps (`FlowOptions(tail_method="auto")`, the
+default; `_solve.tail_stages`), or throughout (`tail_method="radau"`).
 
 Why (benchmarks/README, "A Radau IIA tail"): on flows whose top singular value runs off, the
 Hessian's stiff eigenvectors turn with X's top singular vectors within a step, and a

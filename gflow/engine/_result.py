@@ -52,7 +52,9 @@ class Phase(enum.IntEnum):
     EXPLICIT = 1
     """Physical time with the explicit solver (or the one solver that was forced)."""
     STIFF_TAIL = 2
-    """The Rosenbrock stiff tail of `solver="auto"`."""
+    """The stiff tail of `solver="auto"` (Rosenbrock, or Radau IIA with `tail_method="radau"`)."""
+    RADAU_TAIL = 3
+    """Radau IIA, where `tail_method="auto"` hands a long Rosenbrock tail over to it."""
 
     @property
     def label(self) -> str:
