@@ -102,7 +102,9 @@ def _variant(problem, init, top, **options) -> dict:
         "status": r.status_label,
         "solve_s": r.wall_time_s,
         "steps": int(r.num_steps),
-        "tail_steps": r.work().get("stiff tail", {}).get("steps", 0),
+        "tail_steps": sum(
+            r.work().get(phase, {}).get("steps", 0) for phase in ("stiff tail", "radau tail")
+        ),
         "linear_iters": int(r.num_linear_iters),
         "factorizations": int(r.num_factorizations),
         "sigma_max_relative_difference": float(

@@ -152,11 +152,11 @@ class FlowOptions(eqx.Module):
       alone hands over: tails batched under vmap (`tails="batch"`, `solver="rodas4"`), models
       past Radau's dense limit, `rounding_allowance`, `tail_scale="entry"` (Radau's errors
       are layer-scaled) and compilations with XLA's YNNPACK fusion (off the CPU) keep the
-      Rosenbrock method throughout. On the 112-flow d = 8 sweep
-      of the `scale` benchmark it converged two flows more and ran 1.3–1.4× faster, the top
-      two singular values of the flows both ways converge within 4e-9 of each other; a
-      third singular value that escapes last was 1.9e-8 off an rtol-1e-12 reference where the
-      Rosenbrock tail throughout is 1.0e-8 off (benchmarks/README, "nineteenth session").
+      Rosenbrock method throughout. On the 112-flow d = 8 sweep of the `scale` benchmark 110
+      flows converged against 108, in 239.9 s against 522.3 s side by side, the top two
+      singular values of the 108 flows that converge both ways within 3.6e-9 of each other;
+      a third singular value that escapes last was 1.9e-8 off an rtol-1e-12 reference where
+      the Rosenbrock tail throughout is 1.0e-8 off (benchmarks/README, "nineteenth session").
       `rosenbrock`: the Rosenbrock method throughout (before 2026-12-07). `radau`:
       three-stage Radau IIA (order 5) throughout, its Newton iteration taking each stage's own
       Gauss–Newton curvature (engine/_radau.py). On flows whose top singular value runs off
