@@ -803,7 +803,9 @@ def test_a_flow_the_rounding_floor_would_stop_converges_to_a_reproducible_endpoi
     mask (seed 0 of a sweep: density 0.5, rank 2), depth 5, α = 3e-4. The floor fires after
     ~25 tail steps at loss 2.48 with σ₂ of X at 4e-16; run on, the flow leaves that plateau and
     converges to σ = (7.088932907158, 3.794507809454), which runs from inits perturbed by a
-    relative 1e-15 reproduced to 1e-12 (measured; docs/theory.md §5)."""
+    relative 1e-15 reproduced to 1e-12 (measured; docs/theory.md §5). In float64 it left the
+    plateau after ~95k tail steps, with the rounding allowance in ~25× fewer; the compensated
+    gradient (the default) leaves it in ~2,000, and the allowance then saves nothing."""
     problem_key, init_key = gflow.seed_keys(0)
     problem = gflow.bernoulli(8, 8, 0.5, 2, problem_key)
     init = gflow.gaussian([8] * 6, 3e-4, init_key)
@@ -813,10 +815,10 @@ def test_a_flow_the_rounding_floor_would_stop_converges_to_a_reproducible_endpoi
     np.testing.assert_allclose(
         gflow.singular_values(r.model)[:2], [7.088932907158, 3.794507809454], rtol=1e-10
     )
-    # the rounding allowance: ~25× fewer tail steps to the same endpoint
+    assert r.work()["stiff tail"]["steps"] < 5_000 and "radau tail" not in r.work()
+    # the rounding allowance: the same endpoint
     allowed = gflow.flow(problem, init, rounding_allowance=True)
     assert allowed.status_label == "converged", allowed.status_message
-    assert allowed.work()["stiff tail"]["steps"] * 10 < r.work()["stiff tail"]["steps"]
     np.testing.assert_allclose(
         gflow.singular_values(allowed.model)[:2], [7.088932907158, 3.794507809454], rtol=1e-10
     )

@@ -227,6 +227,7 @@ def _run(compiled, problem, model, options, in_axes=None, lazy=False):
     return result, wall, tail_compile
 
 
+# The multiple a Radau IIA tail program takes the observed entries to (`_tail_program`).
 RADAU_MULTIPLE = 8
 
 

@@ -203,9 +203,10 @@ def finish_tail(
     return _assemble(problem, options, head.loss_init, phase_work, accepted, end, trajectory)
 
 
-# A Radau IIA step's cost in Rosenbrock steps (the step budget it takes of `max_steps`):
-# ~10 ms against ~1.35 ms at depth 5, d = 8 (P = 320, its Newton matrix through 64 observed
-# rows), the same measurement.
+# A Radau IIA step's cost in Rosenbrock steps (the step budget it takes of `max_steps`): at
+# depth 5, d = 8 (P = 320) ~10 ms against ~1.4 ms with its Newton matrix on 64 observed rows,
+# 4.5 ms on the 40 it now takes (benchmarks/README, "nineteenth session"). Not tuned: the
+# budget only decides how long a flow that does not converge in it runs.
 RADAU_STEP_COST = 8
 
 
