@@ -170,8 +170,11 @@ def _tail_program(
 
     method, _ = tail_stages(options, init, continued=in_axes is None)[stage]
     # Radau's Newton matrix is formed from 3 × `observed` rows at every step: it takes the
-    # count to a multiple of 8, not 64 (a d = 8 mask's ~32 entries, not 64)
-    observed = observed_bound(problem, RADAU_MULTIPLE if method == "radau" else 64)
+    # count to a finer multiple than the Rosenbrock programs share (a d = 8 mask's 40, not 64)
+    if method == "radau":
+        observed = observed_bound(problem, RADAU_MULTIPLE)
+    else:
+        observed = observed_bound(problem)
     rank = tangent_rank(problem, options, observed, head)
     axis = None if in_axes is None else "flows"
 
