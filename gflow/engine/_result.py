@@ -154,15 +154,17 @@ class FlowResult(eqx.Module):
       linear algebra or did not run (with a Gauss–Newton preconditioner of ≥ 1,024 observed
       entries each CG step also spends one Hessian-vector product per stage, uncounted, on
       starting its stages' CG from the previous step's stage solutions);
-      `num_factorizations`: their dense factorisations or preconditioner builds. Both count
-      every step of the stiff tail of `solver="auto"`, rejected ones included, but only
-      accepted steps where a Rosenbrock phase runs in `diffeqsolve` (`solver="rodas4"`):
-      diffrax keeps no solver state from a rejected step
-      (`num_rejected_steps` says how many steps that is).
-    - `phase_work`: the work of each phase, an int array of shape (3, 5): rows indexed by
-      `Phase` (loss clock, explicit, stiff tail), columns `WORK_COLUMNS` (steps, rejected
-      steps, vector-field evaluations, CG iterations, factorisations); `work()` gives it as a
-      dict.
+      `num_factorizations`: their dense factorisations or preconditioner builds. A Radau IIA
+      tail (`tail_method`) counts its Newton iterations and its factorisations (Newton
+      matrices and decompositions of the Hessian's residual part). Both count every step of
+      the stiff tail of `solver="auto"`, rejected ones included, but only accepted steps
+      where a Rosenbrock phase runs in `diffeqsolve` (`solver="rodas4"`): diffrax keeps no
+      solver state from a rejected step (`num_rejected_steps` says how many steps that is).
+    - `phase_work`: the work of each phase, an int array of shape (len(Phase), 5): rows
+      indexed by `Phase` (loss clock, explicit, stiff tail, and the Radau tail that a long
+      stiff tail hands over to), columns `WORK_COLUMNS` (steps, rejected steps,
+      vector-field evaluations, CG or Newton iterations, factorisations); `work()` gives it
+      as a dict.
     - `energy`: ∫‖∇loss‖² dt when certificates were requested (else nan). For the exact flow
       `loss_init − loss = energy`.
     - `end_phase`: the `Phase` that ended the solve; `solver_code`: what its integrator
@@ -194,7 +196,7 @@ class FlowResult(eqx.Module):
     num_factorizations: Int[Array, ""] = eqx.field(
         default_factory=lambda: jnp.asarray(0, jnp.int32)
     )
-    phase_work: Int[Array, "3 5"] = eqx.field(
+    phase_work: Int[Array, "phases 5"] = eqx.field(
         default_factory=lambda: jnp.zeros((len(Phase), len(WORK_COLUMNS)), jnp.int32)
     )
     trajectory: Trajectory | None = None
