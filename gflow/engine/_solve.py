@@ -5,7 +5,8 @@
 2. Physical time with the explicit solver (or the one solver that was forced).
 3. With `solver="auto"`: when the explicit solver has spent `explicit_steps` steps without
    converging (a stiff tail), an L-stable Rosenbrock method (RODAS4P2, or RODAS5P on large
-   problems: `tail_tableau`) to the end.
+   problems: `tail_tableau`) to the end; with `tail_method="auto"`, a tail still running
+   after `radau_after` steps goes on with Radau IIA, a stage of its own (`tail_stages`).
 
 Every phase starts where the previous one stopped; the first that reaches a final status
 (converged, diverged, t_max, …) ends the solve.
