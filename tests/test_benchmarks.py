@@ -79,6 +79,28 @@ def test_the_tail_with_and_without_the_compensated_gradient_side_by_side():
     assert rows[1]["apart"][:2].max() < 1e-9
 
 
+def test_the_newton_probe_steps_gflows_radau_tail_and_separates_the_floor():
+    """`python -m benchmarks.newton`: Radau steps from a flow's end, sized by the tail's own
+    controller; the embedded estimate recovered from what the controller saw lies below it
+    by exactly the Newton-aware floor of the attempt's iterations."""
+    from benchmarks.newton import crawl, summary
+    from gflow.engine._radau import NEWTON_ERROR
+
+    result, runs = crawl((3, 1e-2, 1), attempts=12)
+    assert result.status_label == "converged"
+    assert runs["accepted"].size == runs["iterations"].size == 12
+    assert runs["accepted"].any() and runs["t"][1] > runs["t"][0]
+    converged = ~runs["newton_failed"]
+    iterations = runs["iterations"][converged]
+    assert np.all((iterations >= 1) & (iterations <= 7))
+    floors = np.asarray(NEWTON_ERROR)[np.minimum(iterations, len(NEWTON_ERROR) - 1)]
+    reported, estimate = runs["reported"][converged], runs["estimate"][converged]
+    assert np.all(reported >= floors * (1 - 1e-12))
+    assert np.all(estimate <= reported)
+    lines = summary(result, runs)
+    assert "12 attempts" in lines[1] and "Newton failures" in lines[1]
+
+
 def test_the_fusion_probe_compiles_both_ways_and_restores_gflows_options():
     """`python -m benchmarks.fusion`: a sweep point solved compiled without XLA's YNNPACK
     fusion (gflow's default) and with it, alternated; the probe leaves gflow's options as they

@@ -1,0 +1,148 @@
+"""`python -m benchmarks.newton`: what sets the Radau tail's steps where a flow crawls.
+
+For a d = 8 point of the `scale` benchmark's 112-flow sweep (depth:α:seed) it runs
+`gflow.flow` at the sweep's options to the end of its step budget (`--max-steps`), then takes
+`--attempts` more steps of gflow's own Radau IIA tail from there, one at a time from Python,
+each sized by the tail's own step-size controller. For each attempt it keeps h/t, the Newton
+iterations, whether Newton failed, and RADAU5's embedded error estimate with and without the
+Newton-aware floor (`_radau.NEWTON_ERROR`) that the controller sees. It prints how the
+rejections split (Newton failures, estimates over the tolerance) and the estimate against the
+floor: where the estimate is far below the tolerance and the steps still do not grow, Newton's
+iterations, not the error, set the step (benchmarks/README, "twentieth session").
+
+    python -m benchmarks.newton 5:3e-4:2 --attempts 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+jax.config.update("jax_enable_x64", True)
+
+import diffrax  # noqa: E402
+
+import gflow  # noqa: E402
+from gflow.engine._dynamics import FieldArgs, physical_field  # noqa: E402
+from gflow.engine._flow import observed_bound  # noqa: E402
+from gflow.engine._radau import NEWTON_ERROR  # noqa: E402
+from gflow.engine._solve import _setup, _solvers  # noqa: E402
+
+from .runoff import sweep_point  # noqa: E402
+from .tails import parse_point  # noqa: E402
+
+
+def _tolerance(y0, y1, step_tolerance):
+    """Radau's own per-entry tolerance of a step (`RadauIIA.step`): layer-scaled."""
+    rtol, atol = step_tolerance
+    flat0, flat1 = ravel_pytree(y0)[0], ravel_pytree(y1)[0]
+    layer_rms = jnp.concatenate(
+        [jnp.full(w.size, jnp.sqrt(jnp.mean(w**2))) for w in jax.tree_util.tree_leaves(y0)]
+    )
+    return atol + rtol * jnp.maximum(jnp.maximum(jnp.abs(flat0), jnp.abs(flat1)), layer_rms)
+
+
+def crawl(point, attempts, rtol=1e-10, max_steps=100_000):
+    """The flow of `point` to the end of its budget, then `attempts` Radau steps from there:
+    the flow's result and a dict of per-attempt arrays (`h_over_t`, `iterations`,
+    `newton_failed`, `accepted`, `estimate`: RMS of the embedded estimate over the tolerance,
+    `reported`: the same with the Newton-aware floor)."""
+    problem, init = sweep_point(*point)
+    options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps)
+    result = gflow.flow(problem, init, options)
+    model = result.model
+    setup = _setup(problem, model, options, None, method="radau")
+    solver = _solvers(options, setup, None, observed_bound(problem), method="radau")["stiff"]
+    terms = diffrax.ODETerm(physical_field)
+    args = FieldArgs(problem, 0.0, False, None, setup.tail_compensated)
+    controller = setup.tail_controller
+    order = solver.error_order(terms)
+    floors = jnp.asarray(NEWTON_ERROR)
+
+    @jax.jit
+    def attempt(t0, t1, y0, state, control):
+        y1, error, _, new, _ = solver.step(terms, t0, t1, y0, args, state, False)
+        keep, next_t0, next_t1, _, control, _ = controller.adapt_step_size(
+            t0, t1, y0, y1, args, error, order, control
+        )
+        iterations = new["iters"] - state["iters"]
+        tol = _tolerance(y0, y1, solver.step_tolerance)
+        reported = ravel_pytree(error)[0]
+        floor = floors[jnp.minimum(iterations, len(NEWTON_ERROR) - 1)] * tol
+        # `step` adds the floor with the estimate's own sign: |reported| = |estimate| + floor
+        estimate = reported - jnp.sign(reported) * floor
+        rms = lambda x: jnp.sqrt(jnp.mean((x / tol) ** 2))
+        row = (iterations, new["stale"], keep, rms(estimate), rms(reported))
+        return y1, new, keep, next_t0, next_t1, control, row
+
+    t0 = float(result.t_end)
+    y = {"model": model}
+    state = solver.init(terms, t0, jnp.inf, y, args)
+    _, control = controller.init(terms, t0, jnp.inf, y, 1e-6 * t0, args, solver.func, order)
+    t1 = t0 + 1e-6 * t0  # the first attempt's length; the controller sizes the others
+    rows, h_over_t = [], []
+    for _ in range(attempts):
+        y1, new, keep, next_t0, next_t1, control, row = attempt(t0, t1, y, state, control)
+        h_over_t.append((float(t1) - float(t0)) / float(t0))
+        rows.append([float(x) for x in row])
+        if bool(keep):
+            y, state = y1, new
+        else:  # as gflow's loop does: a rejected step keeps only what the solver names
+            state = {k: new[k] if k in solver.kept_on_rejection else state[k] for k in state}
+        t0, t1 = next_t0, next_t1
+    columns = np.asarray(rows).T
+    return result, {
+        "h_over_t": np.asarray(h_over_t),
+        "iterations": columns[0].astype(int),
+        "newton_failed": columns[1].astype(bool),
+        "accepted": columns[2].astype(bool),
+        "estimate": columns[3],
+        "reported": columns[4],
+        "t": (float(result.t_end), float(t0)),
+    }
+
+
+def summary(result, runs) -> list[str]:
+    accepted, failed = runs["accepted"], runs["newton_failed"]
+    errors = ~accepted & ~failed
+    iterations = runs["iterations"]
+    counts = np.bincount(iterations, minlength=8)[1:]
+    estimate = runs["estimate"][~failed]
+    sigma = np.asarray(gflow.singular_values(result.model))[:3]
+    t0, t1 = runs["t"]
+    return [
+        f"  the flow: {result.status_label} at t = {t0:.4g}, loss {float(result.loss):.3g}, "
+        f"top σ {sigma}, radau tail {result.work().get('radau tail')}",
+        f"  {accepted.size} attempts to t = {t1:.4g}: {accepted.sum()} accepted, "
+        f"{failed.sum()} Newton failures, {errors.sum()} estimates over the tolerance",
+        f"  Newton iterations: {iterations.mean():.2f} an attempt; attempts by iterations "
+        f"1…7: {counts.tolist()}",
+        f"  embedded estimate / tolerance (RMS, Newton converged): median "
+        f"{np.median(estimate):.2e}, max {estimate.max():.2e}; with the Newton-aware floor: "
+        f"median {np.median(runs['reported'][~failed]):.2e}",
+        f"  h/t of accepted steps: median {np.median(runs['h_over_t'][accepted]):.2e}, "
+        f"range {runs['h_over_t'][accepted].min():.2e} … {runs['h_over_t'][accepted].max():.2e}",
+    ]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("point", type=parse_point, help="depth:alpha:seed of the sweep")
+    parser.add_argument("--attempts", type=int, default=3000)
+    parser.add_argument("--rtol", type=float, default=1e-10)
+    parser.add_argument("--max-steps", type=int, default=100_000)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    result, runs = crawl(args.point, args.attempts, args.rtol, args.max_steps)
+    print(f"point (depth, α, seed) = {args.point}, {time.perf_counter() - start:.1f} s")
+    for line in summary(result, runs):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
