@@ -169,7 +169,7 @@ def descend_solve(
         }
         if options.save_layers:
             template["layers"] = jax.tree_util.tree_map(
-                lambda w: jnp.zeros((n_save,) + w.shape, w.dtype), model
+                lambda w: jnp.full((n_save,) + w.shape, jnp.inf, w.dtype), model
             )
         state["saves"] = template
     final = jax.lax.while_loop(cond, body, state)

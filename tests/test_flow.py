@@ -257,6 +257,12 @@ def test_a_flow_that_saves_samples_is_the_flow_that_saves_none():
     t = np.asarray(saved.trajectory.t)
     assert 8 <= np.isfinite(t).sum() < t.size  # both clocks sampled; rows after convergence not
     assert np.all(np.diff(t[np.isfinite(t)]) >= 0)
+    # rows that are not samples read inf, not the state a phase left there
+    samples = saved.trajectory
+    for values in (samples.loss, samples.singular_values):
+        values = np.asarray(values)
+        assert np.all(np.isinf(values[~np.isfinite(t)]))
+        assert np.all(np.isfinite(values[np.isfinite(t)]))
 
 
 @pytest.mark.parametrize("clock", ["loss", "physical"])

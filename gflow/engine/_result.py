@@ -105,8 +105,9 @@ WORK_COLUMNS = ("steps", "rejected_steps", "rhs_evals", "linear_iters", "factori
 
 
 class Trajectory(eqx.Module):
-    """Samples of a flow, time-ordered. Rows past the end of the solve are `inf` (`valid` is
-    False there); `compress()` drops them.
+    """Samples of a flow, time-ordered. Rows that are not samples (past the end of the solve,
+    or of a phase that did not run) are `inf` in every field (`valid` is False there);
+    `compress()` drops them.
 
     During the loss-clock phase (small inits, see `flow`) samples are evenly spaced in
     log(loss); in physical time they are log-spaced in t.

@@ -532,6 +532,20 @@ def _result(problem, options, loss0, runs, end: _Ending, handover, trajectory, s
     return _assemble(problem, options, loss0, jnp.stack(rows), accepted, end, trajectory)
 
 
+def _not_samples_inf(trajectory: Trajectory | None) -> Trajectory | None:
+    """The trajectory with the rows that are not samples (t = inf: a phase that did not run,
+    rows past the end) reading inf throughout, as a descent's do, instead of the state a
+    phase left in them."""
+    if trajectory is None:
+        return None
+    valid = jnp.isfinite(trajectory.t)
+
+    def mark(x):
+        return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim)), x, jnp.inf)
+
+    return jax.tree_util.tree_map(mark, trajectory)
+
+
 def _assemble(problem, options, loss0, phase_work, accepted, end: _Ending, trajectory):
     rhs = phase_work[:, 2]
     dtype = end.t.dtype
@@ -551,5 +565,5 @@ def _assemble(problem, options, loss0, phase_work, accepted, end: _Ending, traje
         energy=end.y["energy"] if options.certificates else jnp.asarray(jnp.nan, dtype),
         end_phase=end.phase.astype(jnp.int32),
         solver_code=end.code.astype(jnp.int32),
-        trajectory=trajectory,
+        trajectory=_not_samples_inf(trajectory),
     )
