@@ -30,7 +30,7 @@ import gflow  # noqa: E402
 from gflow.engine import _compile  # noqa: E402
 from gflow.engine._threads import run_concurrently  # noqa: E402
 
-from .runoff import sweep_point  # noqa: E402
+from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
 from .scale import problem_and_init  # noqa: E402
 from .tails import parse_point  # noqa: E402
 
@@ -55,7 +55,7 @@ def case(name):
         problem, init = problem_and_init(int(name[1:]))
         return problem, init, gflow.FlowOptions()
     problem, init = sweep_point(*parse_point(name))
-    return problem, init, gflow.FlowOptions(rtol=1e-10, max_steps=100_000)
+    return problem, init, gflow.FlowOptions(rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS)
 
 
 def solves(names, repeats=1):

@@ -33,7 +33,7 @@ from gflow.engine._flow import observed_bound  # noqa: E402
 from gflow.engine._radau import NEWTON_ERROR  # noqa: E402
 from gflow.engine._solve import _setup, _solvers  # noqa: E402
 
-from .runoff import sweep_point  # noqa: E402
+from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
 from .tails import parse_point  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def _tolerance(y0, y1, step_tolerance):
     return atol + rtol * jnp.maximum(jnp.maximum(jnp.abs(flat0), jnp.abs(flat1)), layer_rms)
 
 
-def crawl(point, attempts, rtol=1e-10, max_steps=100_000):
+def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS):
     """The flow of `point` to the end of its budget, then `attempts` Radau steps from there:
     the flow's result and a dict of per-attempt arrays (`h_over_t`, `iterations`,
     `newton_failed`, `accepted`, `estimate`: RMS of the embedded estimate over the tolerance,
@@ -134,8 +134,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("point", type=parse_point, help="depth:alpha:seed of the sweep")
     parser.add_argument("--attempts", type=int, default=3000)
-    parser.add_argument("--rtol", type=float, default=1e-10)
-    parser.add_argument("--max-steps", type=int, default=100_000)
+    parser.add_argument("--rtol", type=float, default=SWEEP_RTOL)
+    parser.add_argument("--max-steps", type=int, default=SWEEP_MAX_STEPS)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     result, runs = crawl(args.point, args.attempts, args.rtol, args.max_steps)

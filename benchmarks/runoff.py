@@ -40,6 +40,11 @@ RADAU_IIA = _radau.A
 ORDER = 5
 
 
+# The 112-flow sweep's flow options (`scale`'s `random_mask_sweep`): the probes run its points
+# at these unless told otherwise.
+SWEEP_RTOL, SWEEP_MAX_STEPS = 1e-10, 100_000
+
+
 def sweep_point(depth, alpha, seed):
     point = dict(depth=depth, alpha=alpha, seed=seed, dim=8, density=0.5, rank=2, noise=0.0, m=1.0)
     return build(point, "bernoulli", "gaussian")

@@ -25,6 +25,8 @@ import gflow
 from gflow.engine import _threads
 from gflow.sweeps import _run as sweep_run
 
+from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL
+
 TOP = 5  # the target's rank: the singular values compared
 
 
@@ -245,7 +247,7 @@ def random_mask_sweep(quick: bool) -> dict:
         fixed={"dim": 8, "density": 0.5, "rank": 2},
         problem="bernoulli",
         init="gaussian",
-        options=gflow.FlowOptions(rtol=1e-10, max_steps=100_000),
+        options=gflow.FlowOptions(rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS),
         chunk_size=8,
     )
     out = {"flows": int(np.prod([len(depths), len(alphas), 4]))}

@@ -30,7 +30,7 @@ jax.config.update("jax_enable_x64", True)
 
 import gflow  # noqa: E402
 
-from .runoff import sweep_point  # noqa: E402
+from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
 
 WAYS = {
     "tail": {"rosenbrock": {"tail_method": "rosenbrock"}, "radau": {"tail_method": "radau"}},
@@ -57,7 +57,7 @@ def run(point, way, rtol, max_steps):
     return result, tail, sigma
 
 
-def compare(points, rtol=1e-10, max_steps=100_000, vary="tail"):
+def compare(points, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS, vary="tail"):
     """For each point, one row per way of `vary` (a dict: point, method (the way's name),
     result, tail work, top-3 σ), then, where both converged, the relative difference of their
     top-3 σ (`apart`, on the second row)."""
@@ -76,9 +76,9 @@ def main(argv=None):
     parser.add_argument(
         "points", nargs="+", type=parse_point, help="sweep points DEPTH:ALPHA:SEED, e.g. 4:1e-2:2"
     )
-    parser.add_argument("--rtol", type=float, default=1e-10, help="the sweep's rtol")
+    parser.add_argument("--rtol", type=float, default=SWEEP_RTOL, help="the sweep's rtol")
     parser.add_argument(
-        "--max-steps", type=int, default=100_000, help="the sweep's step budget per phase"
+        "--max-steps", type=int, default=SWEEP_MAX_STEPS, help="the sweep's step budget per phase"
     )
     parser.add_argument(
         "--vary", choices=sorted(WAYS), default="tail", help="what differs between the runs"
