@@ -30,21 +30,11 @@ import diffrax  # noqa: E402
 import gflow  # noqa: E402
 from gflow.engine._dynamics import FieldArgs, physical_field  # noqa: E402
 from gflow.engine._flow import observed_bound  # noqa: E402
-from gflow.engine._radau import NEWTON_ERROR  # noqa: E402
+from gflow.engine._radau import NEWTON_ERROR, layer_scaled_tolerance  # noqa: E402
 from gflow.engine._solve import _setup, _solvers  # noqa: E402
 
 from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
 from .tails import parse_point  # noqa: E402
-
-
-def _tolerance(y0, y1, step_tolerance):
-    """Radau's own per-entry tolerance of a step (`RadauIIA.step`): layer-scaled."""
-    rtol, atol = step_tolerance
-    flat0, flat1 = ravel_pytree(y0)[0], ravel_pytree(y1)[0]
-    layer_rms = jnp.concatenate(
-        [jnp.full(w.size, jnp.sqrt(jnp.mean(w**2))) for w in jax.tree_util.tree_leaves(y0)]
-    )
-    return atol + rtol * jnp.maximum(jnp.maximum(jnp.abs(flat0), jnp.abs(flat1)), layer_rms)
 
 
 def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS):
@@ -71,7 +61,8 @@ def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS):
             t0, t1, y0, y1, args, error, order, control
         )
         iterations = new["iters"] - state["iters"]
-        tol = _tolerance(y0, y1, solver.step_tolerance)
+        flats = (ravel_pytree(y0)[0], ravel_pytree(y1)[0])
+        tol = layer_scaled_tolerance(y0, *flats, step_tolerance=solver.step_tolerance)
         reported = ravel_pytree(error)[0]
         floor = floors[jnp.minimum(iterations, len(NEWTON_ERROR) - 1)] * tol
         # `step` adds the floor with the estimate's own sign: |reported| = |estimate| + floor

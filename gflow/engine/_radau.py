@@ -25,6 +25,7 @@ through f(y0 + err) where it exceeds the tolerance, with the same approximate Ja
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -152,6 +153,17 @@ def stage_solve(system, h, e, basis, rhs):
     return u - n0_solve(h * a @ jnp.einsum("iop,io->ip", g, c.reshape(3, g.shape[1])))
 
 
+def layer_scaled_tolerance(active, *flats, step_tolerance):
+    """Each entry's tolerance in a Radau step, atol + rtol·max(|θ_i| over `flats`, the RMS
+    entry of θ_i's layer in `active`), as the tail's controller holds it."""
+    rtol, atol = step_tolerance
+    layer_rms = jnp.concatenate(
+        [jnp.full(w.size, jnp.sqrt(jnp.mean(w**2))) for w in jax.tree_util.tree_leaves(active)]
+    )
+    size = functools.reduce(jnp.maximum, [jnp.abs(flat) for flat in flats])
+    return atol + rtol * jnp.maximum(size, layer_rms)
+
+
 def observed_jacobian(model, problem, layer_mask, entries: int):
     """G = ∂X_Ω/∂θ (`entries` × P, rows past the observed count zero), in closed form:
     ∂X_ij/∂(W_l)_ab = (W_L⋯W_{l+1})_ia (W_{l−1}⋯W_1)_bj; frozen layers' columns zero."""
@@ -251,7 +263,6 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
         flat0, unravel = ravel_pytree(active0)
         passive_flat0, unravel_passive = ravel_pytree(passive0)
         h = t1 - t0
-        rtol, atol = self.step_tolerance
         a = jnp.asarray(A, flat0.dtype)
 
         def rates(flat):
@@ -273,10 +284,7 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
 
         refresh = solver_state["stale"] | (solver_state["age"] >= self.refresh_every)
         e, basis = jax.lax.cond(refresh, residual_part, lambda: solver_state["residual"])
-        layer_rms = jnp.concatenate(
-            [jnp.full(w.size, jnp.sqrt(jnp.mean(w**2))) for w in jax.tree_util.tree_leaves(active0)]
-        )
-        tol = atol + rtol * jnp.maximum(jnp.abs(flat0), layer_rms)
+        tol = layer_scaled_tolerance(active0, flat0, step_tolerance=self.step_tolerance)
 
         # Newton's start: the last step's collocation polynomial at this step's nodes.
         previous = solver_state["h"]
@@ -344,7 +352,7 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
         (f0, p0), jvp = jax.linearize(rates, flat0)
         combined = jnp.asarray(ESTIMATE, flat0.dtype) @ z / h
         err = estimate_solve(f0 + combined)
-        y1_tol = atol + rtol * jnp.maximum(jnp.maximum(jnp.abs(flat0), jnp.abs(y1_flat)), layer_rms)
+        y1_tol = layer_scaled_tolerance(active0, flat0, y1_flat, step_tolerance=self.step_tolerance)
         err_size = lambda x: jnp.sqrt(jnp.mean((x / y1_tol) ** 2))
         refine = err_size(err) > 1
         err = jax.lax.cond(
