@@ -196,7 +196,7 @@ def finish_tail(
         reached = jnp.isfinite(part.t)  # rows outside the tail's span keep an earlier stage's
 
         def merge(old, new):
-            kept = jnp.where(reached.reshape(-1, *[1] * (new.ndim - 1)), new, old[-rows:])
+            kept = jnp.where(_by_row(reached, new), new, old[-rows:])
             return old.at[-rows:].set(kept)
 
         trajectory = jax.tree_util.tree_map(merge, trajectory, part)
@@ -539,11 +539,12 @@ def _not_samples_inf(trajectory: Trajectory | None) -> Trajectory | None:
     if trajectory is None:
         return None
     valid = jnp.isfinite(trajectory.t)
+    return jax.tree_util.tree_map(lambda x: jnp.where(_by_row(valid, x), x, jnp.inf), trajectory)
 
-    def mark(x):
-        return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - valid.ndim)), x, jnp.inf)
 
-    return jax.tree_util.tree_map(mark, trajectory)
+def _by_row(flags, x):
+    """A flag per row of a trajectory's field `x`, broadcast over its other axes."""
+    return flags.reshape(flags.shape + (1,) * (x.ndim - flags.ndim))
 
 
 def _assemble(problem, options, loss0, phase_work, accepted, end: _Ending, trajectory):
