@@ -1,7 +1,8 @@
 """`python -m benchmarks.newton`: what sets the Radau tail's steps where a flow crawls.
 
 For a d = 8 point of the `scale` benchmark's 112-flow sweep (depth:α:seed) it runs
-`gflow.flow` at the sweep's options to the end of its step budget (`--max-steps`), then takes
+`gflow.flow` at the sweep's options to the end of its step budget (`--max-steps`), or to
+`--t-max` to look inside a tail that converges, then takes
 `--attempts` more steps of gflow's own Radau IIA tail from there, one at a time from Python,
 each sized by the tail's own step-size controller. For each attempt it keeps h/t, the Newton
 iterations, whether Newton failed, and RADAU5's embedded error estimate with and without the
@@ -11,11 +12,13 @@ floor: where the estimate is far below the tolerance and the steps still do not 
 iterations, not the error, set the step (benchmarks/README, "twentieth session").
 
     python -m benchmarks.newton 5:3e-4:2 --attempts 3000
+    python -m benchmarks.newton 5:1e-2:0 --attempts 400 --t-max 1e15
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import jax
@@ -37,13 +40,13 @@ from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
 from .tails import parse_point  # noqa: E402
 
 
-def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS):
-    """The flow of `point` to the end of its budget, then `attempts` Radau steps from there:
-    the flow's result and a dict of per-attempt arrays (`h_over_t`, `iterations`,
-    `newton_failed`, `accepted`, `estimate`: RMS of the embedded estimate over the tolerance,
-    `reported`: the same with the Newton-aware floor)."""
+def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS, t_max=math.inf):
+    """The flow of `point` to the end of its budget (or to `t_max`), then `attempts` Radau
+    steps from there: the flow's result and a dict of per-attempt arrays (`h_over_t`,
+    `iterations`, `newton_failed`, `accepted`, `estimate`: RMS of the embedded estimate over
+    the tolerance, `reported`: the same with the Newton-aware floor)."""
     problem, init = sweep_point(*point)
-    options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps)
+    options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps, t_max=t_max)
     result = gflow.flow(problem, init, options)
     model = result.model
     setup = _setup(problem, model, options, None, method="radau")
@@ -127,9 +130,10 @@ def main(argv=None):
     parser.add_argument("--attempts", type=int, default=3000)
     parser.add_argument("--rtol", type=float, default=SWEEP_RTOL)
     parser.add_argument("--max-steps", type=int, default=SWEEP_MAX_STEPS)
+    parser.add_argument("--t-max", type=float, default=math.inf, help="stop the flow here")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    result, runs = crawl(args.point, args.attempts, args.rtol, args.max_steps)
+    result, runs = crawl(args.point, args.attempts, args.rtol, args.max_steps, args.t_max)
     print(f"point (depth, α, seed) = {args.point}, {time.perf_counter() - start:.1f} s")
     for line in summary(result, runs):
         print(line)
