@@ -2,14 +2,17 @@
 
 For a d = 8 point of the `scale` benchmark's 112-flow sweep (depth:α:seed) it runs
 `gflow.flow` at the sweep's options to the end of its step budget (`--max-steps`), or to
-`--t-max` to look inside a tail that converges, then takes
-`--attempts` more steps of gflow's own Radau IIA tail from there, one at a time from Python,
-each sized by the tail's own step-size controller. For each attempt it keeps h/t, the Newton
+`--t-max` to look inside a tail that converges, then takes `--attempts` more steps of
+gflow's own Radau IIA tail from there, one at a time from Python, each sized by the tail's
+own step-size controller. For each attempt it keeps h/t, the Newton
 iterations, whether Newton failed, and RADAU5's embedded error estimate with and without the
 Newton-aware floor (`_radau.NEWTON_ERROR`) that the controller sees. It prints how the
 rejections split (Newton failures, estimates over the tolerance) and the estimate against the
 floor: where the estimate is far below the tolerance and the steps still do not grow, Newton's
-iterations, not the error, set the step (benchmarks/README, "twentieth session").
+iterations, not the error, set the step (benchmarks/README, "twentieth session"). It also
+prints ‖∇²loss‖ and its lowest eigenvalue where the flow stopped, and h·ε·‖∇²loss‖ of the
+accepted steps: near 1, float64 no longer resolves the stage equations, and the steps are
+held there (benchmarks/README, "twenty-first session").
 
     python -m benchmarks.newton 5:3e-4:2 --attempts 3000
     python -m benchmarks.newton 5:1e-2:0 --attempts 400 --t-max 1e15
@@ -35,6 +38,7 @@ from gflow.engine._dynamics import FieldArgs, physical_field  # noqa: E402
 from gflow.engine._flow import observed_bound  # noqa: E402
 from gflow.engine._radau import NEWTON_ERROR, layer_scaled_tolerance  # noqa: E402
 from gflow.engine._solve import _setup, _solvers  # noqa: E402
+from gflow.model import loss_hessian  # noqa: E402
 
 from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
 from .tails import parse_point  # noqa: E402
@@ -42,9 +46,10 @@ from .tails import parse_point  # noqa: E402
 
 def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS, t_max=math.inf):
     """The flow of `point` to the end of its budget (or to `t_max`), then `attempts` Radau
-    steps from there: the flow's result and a dict of per-attempt arrays (`h_over_t`,
+    steps from there: the flow's result and a dict of per-attempt arrays (`h_over_t`, `h`,
     `iterations`, `newton_failed`, `accepted`, `estimate`: RMS of the embedded estimate over
-    the tolerance, `reported`: the same with the Newton-aware floor)."""
+    the tolerance, `reported`: the same with the Newton-aware floor), with the spectrum of
+    ∇²loss where the flow stopped (`hessian`: its eigenvalues, ascending)."""
     problem, init = sweep_point(*point)
     options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps, t_max=t_max)
     result = gflow.flow(problem, init, options)
@@ -79,10 +84,11 @@ def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS, t_max=mat
     state = solver.init(terms, t0, jnp.inf, y, args)
     _, control = controller.init(terms, t0, jnp.inf, y, 1e-6 * t0, args, solver.func, order)
     t1 = t0 + 1e-6 * t0  # the first attempt's length; the controller sizes the others
-    rows, h_over_t = [], []
+    rows, h_over_t, lengths = [], [], []
     for _ in range(attempts):
         y1, new, keep, next_t0, next_t1, control, row = attempt(t0, t1, y, state, control)
         h_over_t.append((float(t1) - float(t0)) / float(t0))
+        lengths.append(float(t1) - float(t0))
         rows.append([float(x) for x in row])
         if bool(keep):
             y, state = y1, new
@@ -92,12 +98,14 @@ def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS, t_max=mat
     columns = np.asarray(rows).T
     return result, {
         "h_over_t": np.asarray(h_over_t),
+        "h": np.asarray(lengths),
         "iterations": columns[0].astype(int),
         "newton_failed": columns[1].astype(bool),
         "accepted": columns[2].astype(bool),
         "estimate": columns[3],
         "reported": columns[4],
         "t": (float(result.t_end), float(t0)),
+        "hessian": np.linalg.eigvalsh(np.asarray(loss_hessian(model, problem))),
     }
 
 
@@ -109,6 +117,13 @@ def summary(result, runs) -> list[str]:
     estimate = runs["estimate"][~failed]
     sigma = np.asarray(gflow.singular_values(result.model))[:3]
     t0, t1 = runs["t"]
+    spectrum = runs["hessian"]
+    norm, eps = np.abs(spectrum).max(), np.finfo(spectrum.dtype).eps
+    resolved = (
+        "beyond float64's resolution ε‖∇²loss‖"
+        if abs(spectrum[0]) > 10 * eps * norm
+        else "within 10 ε‖∇²loss‖ of 0: rounding"
+    )
     return [
         f"  the flow: {result.status_label} at t = {t0:.4g}, loss {float(result.loss):.3g}, "
         f"top σ {sigma}, radau tail {result.work().get('radau tail')}",
@@ -121,6 +136,10 @@ def summary(result, runs) -> list[str]:
         f"median {np.median(runs['reported'][~failed]):.2e}",
         f"  h/t of accepted steps: median {np.median(runs['h_over_t'][accepted]):.2e}, "
         f"range {runs['h_over_t'][accepted].min():.2e} … {runs['h_over_t'][accepted].max():.2e}",
+        f"  ∇²loss where the flow stopped: ‖∇²loss‖ {norm:.3g}, λ_min {spectrum[0]:.3g} "
+        f"({resolved}); accepted steps' h·ε·‖∇²loss‖: median "
+        f"{np.median(runs['h'][accepted]) * eps * norm:.3g} (where this nears 1, the "
+        f"stage equations are at float64's resolution)",
     ]
 
 

@@ -98,8 +98,13 @@ def test_the_newton_probe_steps_gflows_radau_tail_and_separates_the_floor():
     reported, estimate = runs["reported"][converged], runs["estimate"][converged]
     assert np.all(reported >= floors * (1 - 1e-12))
     assert np.all(estimate <= reported)
+    spectrum = runs["hessian"]  # ∇²loss where the flow stopped, ascending
+    assert spectrum.size == sum(w.size for w in result.model.layers)
+    assert np.all(np.diff(spectrum) >= 0) and np.all(np.isfinite(spectrum))
+    assert runs["h"].size == 12 and np.all(runs["h"] > 0)
     lines = summary(result, runs)
     assert "12 attempts" in lines[1] and "Newton failures" in lines[1]
+    assert "‖∇²loss‖" in lines[-1] and "h·ε·‖∇²loss‖" in lines[-1]
 
 
 def test_the_fusion_probe_compiles_both_ways_and_restores_gflows_options():
