@@ -4,15 +4,15 @@ For a d = 8 point of the `scale` benchmark's 112-flow sweep (depth:α:seed) it r
 `gflow.flow` at the sweep's options to the end of its step budget (`--max-steps`), or to
 `--t-max` to look inside a tail that converges, then takes `--attempts` more steps of
 gflow's own Radau IIA tail from there, one at a time from Python, each sized by the tail's
-own step-size controller. For each attempt it keeps h/t, the Newton
-iterations, whether Newton failed, and RADAU5's embedded error estimate with and without the
-Newton-aware floor (`_radau.NEWTON_ERROR`) that the controller sees. It prints how the
+own step-size controller. For each attempt it keeps h/t, the Newton iterations, whether
+Newton failed, and RADAU5's embedded error estimate with and without the Newton-aware floor (`_radau.NEWTON_ERROR`) that the controller sees. It prints how the
 rejections split (Newton failures, estimates over the tolerance) and the estimate against the
 floor: where the estimate is far below the tolerance and the steps still do not grow, Newton's
 iterations, not the error, set the step (benchmarks/README, "twentieth session"). It also
 prints ‖∇²loss‖ and its lowest eigenvalue where the flow stopped, and h·ε·‖∇²loss‖ of the
-accepted steps: near 1, float64 no longer resolves the stage equations, and the steps are
-held there (benchmarks/README, "twenty-first session").
+accepted steps, about ε times the condition number of Newton's matrix: the run-off crawl's
+steps, and an exact Newton's, stop where it nears 1 (benchmarks/README, "twenty-first
+session").
 
     python -m benchmarks.newton 5:3e-4:2 --attempts 3000
     python -m benchmarks.newton 5:1e-2:0 --attempts 400 --t-max 1e15
@@ -138,8 +138,8 @@ def summary(result, runs) -> list[str]:
         f"range {runs['h_over_t'][accepted].min():.2e} … {runs['h_over_t'][accepted].max():.2e}",
         f"  ∇²loss where the flow stopped: ‖∇²loss‖ {norm:.3g}, λ_min {spectrum[0]:.3g} "
         f"({resolved}); accepted steps' h·ε·‖∇²loss‖: median "
-        f"{np.median(runs['h'][accepted]) * eps * norm:.3g} (where this nears 1, the "
-        f"stage equations are at float64's resolution)",
+        f"{np.median(runs['h'][accepted]) * eps * norm:.3g} (ε times the Newton matrix's "
+        f"condition number, about)",
     ]
 
 
