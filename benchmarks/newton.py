@@ -5,10 +5,11 @@ For a d = 8 point of the `scale` benchmark's 112-flow sweep (depth:α:seed) it r
 `--t-max` to look inside a tail that converges, then takes `--attempts` more steps of
 gflow's own Radau IIA tail from there, one at a time from Python, each sized by the tail's
 own step-size controller. For each attempt it keeps h/t, the Newton iterations, whether
-Newton failed, and RADAU5's embedded error estimate with and without the Newton-aware floor (`_radau.NEWTON_ERROR`) that the controller sees. It prints how the
-rejections split (Newton failures, estimates over the tolerance) and the estimate against the
-floor: where the estimate is far below the tolerance and the steps still do not grow, Newton's
-iterations, not the error, set the step (benchmarks/README, "twentieth session"). It also
+Newton failed, and RADAU5's embedded error estimate with and without the Newton-aware floor
+(`_radau.NEWTON_ERROR`) that the controller sees. It prints how the rejections split (Newton
+failures, estimates over the tolerance) and the estimate against the floor: where the
+estimate is far below the tolerance and the steps still do not grow, Newton's iterations, not
+the error, set the step (benchmarks/README, "twentieth session"). It also
 prints ‖∇²loss‖ and its lowest eigenvalue where the flow stopped, and h·ε·‖∇²loss‖ of the
 accepted steps, about ε times the condition number of Newton's matrix: the run-off crawl's
 steps, and an exact Newton's, stop where it nears 1 (benchmarks/README, "twenty-first
