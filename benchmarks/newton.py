@@ -12,7 +12,7 @@ estimate is far below the tolerance and the steps still do not grow, Newton's it
 the error, set the step (benchmarks/README, "twentieth session"). It also
 prints ‖∇²loss‖ and its lowest eigenvalue where the flow stopped, and h·ε·‖∇²loss‖ of the
 accepted steps, about ε times the condition number of Newton's matrix: the run-off crawl's
-steps, and an exact Newton's, stop where it nears 1 (benchmarks/README, "twenty-first
+steps, and a dense exact Newton's, stop where it nears 1 (benchmarks/README, "twenty-first
 session").
 
     python -m benchmarks.newton 5:3e-4:2 --attempts 3000
