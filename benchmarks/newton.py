@@ -39,6 +39,7 @@ from gflow.engine._dynamics import FieldArgs, physical_field  # noqa: E402
 from gflow.engine._flow import observed_bound  # noqa: E402
 from gflow.engine._radau import NEWTON_ERROR, layer_scaled_tolerance  # noqa: E402
 from gflow.engine._solve import _setup, _solvers  # noqa: E402
+from gflow.engine._solver_loop import state_after_step  # noqa: E402
 from gflow.model import loss_hessian  # noqa: E402
 
 from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
@@ -88,13 +89,14 @@ def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS, t_max=mat
     rows, h_over_t, lengths = [], [], []
     for _ in range(attempts):
         y1, new, keep, next_t0, next_t1, control, row = attempt(t0, t1, y, state, control)
-        h_over_t.append((float(t1) - float(t0)) / float(t0))
-        lengths.append(float(t1) - float(t0))
+        length = float(t1) - float(t0)
+        h_over_t.append(length / float(t0))
+        lengths.append(length)
         rows.append([float(x) for x in row])
         if bool(keep):
-            y, state = y1, new
-        else:  # as gflow's loop does: a rejected step keeps only what the solver names
-            state = {k: new[k] if k in solver.kept_on_rejection else state[k] for k in state}
+            y = y1
+        # as gflow's loop does: a rejected step keeps only what the solver names
+        state = state_after_step(new, state, keep, solver.kept_on_rejection)
         t0, t1 = next_t0, next_t1
     columns = np.asarray(rows).T
     return result, {

@@ -42,6 +42,18 @@ class SolverRun(NamedTuple):
     samples: object  # `sample(t, y, args)` at each of `save_ts` (inf where not reached), or None
 
 
+def state_after_step(new_state, old_state, keep, kept=()):
+    """The solver state after a step: `new_state` where the step is kept, else `old_state`,
+    except the entries named in `kept` (the solver's `kept_on_rejection`), which come from the
+    step either way."""
+    return {
+        k: v
+        if k in kept
+        else jax.tree_util.tree_map(lambda a, b: jnp.where(keep, a, b), v, old_state[k])
+        for k, v in new_state.items()
+    }
+
+
 def integrate_solver(
     solver: diffrax.AbstractAdaptiveSolver,
     controller: diffrax.AbstractAdaptiveStepSizeController,
@@ -97,10 +109,7 @@ def integrate_solver(
         select = lambda new, old: jax.tree_util.tree_map(
             lambda a, b: jnp.where(keep, a, b), new, old
         )
-        old_state = carry["solver_state"]
-        solver_state = {
-            k: v if k in kept else select(v, old_state[k]) for k, v in new_state.items()
-        }
+        solver_state = state_after_step(new_state, carry["solver_state"], keep, kept)
         saved = {}
         if save_ts is not None:
             interpolation = solver.interpolation_cls(t0=carry["tprev"], t1=carry["tnext"], **dense)
