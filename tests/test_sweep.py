@@ -561,6 +561,31 @@ def _after(event, call):
     return run
 
 
+def test_the_padding_of_a_chunk_runs_no_stiff_tail(monkeypatch):
+    """A chunk with fewer points than `chunk_size` is padded with copies of its last point
+    (one compiled program per group); those copies' stiff tails are not run: a sweep's last
+    chunk, its longest flows, would otherwise run its slowest tail once per padding member."""
+    from gflow.sweeps import _run
+
+    spec = dataclasses.replace(STIFF_SPEC, axes={"seed": [1]}, chunk_size=3)
+    chunks, real_init = [], _run.StartedChunk.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        chunks.append(self)
+
+    monkeypatch.setattr(_run.StartedChunk, "__init__", init)
+    ds = gflow.sweep(spec, progress=False)
+    assert [(c.n, len(c.calls)) for c in chunks] == [(1, 1)]
+    assert ds["status"].values.tolist() == [int(gflow.Status.CONVERGED)]
+    assert ds["end_phase"].values.tolist() == [int(gflow.Phase.STIFF_TAIL)]
+    problem, model = build(spec.points()[0], "bernoulli", "gaussian")
+    single = gflow.flow(problem, model)
+    np.testing.assert_allclose(
+        ds["sigma"].values[0, :2], gflow.singular_values(single.model)[:2], rtol=1e-9
+    )
+
+
 def test_a_failing_tail_stops_the_sweep_with_its_error(monkeypatch):
     def failing(call, k):
         def run():

@@ -103,13 +103,19 @@ class PendingTails:
     thread, so that threads never compile the same program), and `assemble(results)`, the
     batch's result from their results in the order of `calls`. `rows`: the largest matrix
     they factorise (`factorised_rows`); `compile_time`: their programs' (`CompileTime`; a
-    later tail stage's, compiled only when a call gets there, is added when it is)."""
+    later tail stage's, compiled only when a call gets there, is added when it is).
+    `members`: how many leading members of the batch are real; the rest pad it to its
+    compiled size, and their tails are not run (they stay pending)."""
 
-    def __init__(self, problem, model, head: FlowResult, options: FlowOptions, depths=None):
+    def __init__(
+        self, problem, model, head: FlowResult, options: FlowOptions, depths=None, members=None
+    ):
         self.head = jax.tree_util.tree_map(np.asarray, head)
         self.depth = model.depth
         self.options = options
         self.pending = np.flatnonzero(self.head.status == Status.PENDING)
+        if members is not None:
+            self.pending = self.pending[self.pending < members]
         self.calls, self.rows, self.compile_time = [], 0, ALREADY_COMPILED
         self._lock = threading.Lock()
         if self.pending.size == 0:

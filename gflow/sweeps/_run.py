@@ -29,7 +29,8 @@ from ._store import _chunk_indices, _open_or_create, _template, write_points
 class StartedChunk:
     """A chunk of grid points (parameter dicts) whose batched heads have run (padded to
     `chunk_size`, so that every chunk of a group shares one compiled program; with
-    `tails="apart"`, up to where each member's stiff tail would begin; with `sensitivity`,
+    `tails="apart"`, up to where each member's stiff tail would begin, the padding's tails
+    never run; with `sensitivity`,
     also from the perturbed inits, keyed by the points' canonical `indices`): `calls` are
     its pending stiff tails, to run anywhere and side by side, and `finish(results)` gives
     the chunk's per-point arrays from their results (in the order of `calls`). Each point's
@@ -62,7 +63,7 @@ class StartedChunk:
                 result = jax.block_until_ready(compiled(*args))  # before the threads are restored
             # With tails="apart", stiff tails finish apart, side by side on the cores: the
             # batch waits for none (with "batch", none is pending).
-            return PendingTails(problems, models, result, spec.options, depths)
+            return PendingTails(problems, models, result, spec.options, depths, self.n)
 
         self.runs = [head(models)]
         if spec.sensitivity:
