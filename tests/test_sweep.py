@@ -586,6 +586,42 @@ def test_the_padding_of_a_chunk_runs_no_stiff_tail(monkeypatch):
     )
 
 
+def test_the_tail_pool_reports_its_running_and_waiting_tails():
+    """While the progress bar (saved points) stands still, the pool names what runs: how many
+    tails, the longest-running one's grid point and seconds, and how many wait."""
+    import threading
+
+    from gflow.sweeps._run import _TailPool
+
+    release = threading.Event()
+
+    class Chunk:  # a started chunk whose three tails wait for `release`
+        calls = [lambda k=k: release.wait(10) and k for k in range(3)]
+
+        def label(self, j):
+            return f"seed={j}"
+
+        def finish(self, results):
+            return {"tails": results}
+
+    reports, saved = [], []
+    pool = _TailPool(threads=1, open_chunks=2, report=reports.append)
+    assert pool.activity() == ""
+    pool.submit([7], Chunk())
+    deadline = time.monotonic() + 10
+    while not pool.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.activity().startswith("1 tail running (longest: seed=0, ")
+    assert pool.activity().endswith(" s), 2 waiting")
+    assert not pool._save_next(lambda idx, res: saved.append(res), wait=True)
+    assert reports and reports[-1].startswith("1 tail running")
+    release.set()
+    pool.save_finished(lambda idx, res: saved.append((idx, res)), block=True)
+    pool.close(wait=True)
+    assert saved == [([7], {"tails": [0, 1, 2]})]
+    assert reports[-1] == pool.activity() == ""  # the bar is left without a stale postfix
+
+
 def test_a_failing_tail_stops_the_sweep_with_its_error(monkeypatch):
     def failing(call, k):
         def run():

@@ -3,6 +3,7 @@ chunks, each chunk written to the store when its last tail is done."""
 
 from __future__ import annotations
 
+import numbers
 import os
 import queue
 import threading
@@ -96,6 +97,14 @@ class StartedChunk:
             return result
 
         return timed
+
+    def label(self, k) -> str:
+        """The grid point of call `k`, by its axes (`depth=5 alpha=0.0001 seed=2`); a
+        sensitivity rerun's is marked `perturbed`."""
+        point = self.chosen[self.members[k]]
+        value = lambda v: f"{v:g}" if isinstance(v, numbers.Real) else str(v)
+        text = " ".join(f"{name}={value(point[name])}" for name in self.spec.axes)
+        return text if self.owners[k] is self.runs[0] else f"{text} perturbed"
 
     def finish(self, results) -> dict:
         """The per-point arrays of the chunk, from its tails' `results` (in `calls` order)."""
@@ -231,7 +240,7 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
 
     cores = _threads.available_cores()
     threads = 1 if spec.options.tails_run_alone else cores
-    pool = _TailPool(threads, open_chunks=open_chunks(cores))
+    pool = _TailPool(threads, open_chunks=open_chunks(cores), report=bar.set_postfix_str)
     try:
         # Tails side by side, across chunks too: one BLAS thread each (`_threads`).
         with _threads.blas_threads(1 if cores > 1 else None):
@@ -283,12 +292,16 @@ class _TailPool:
     threads (so that Ctrl-C or an error reaches the caller at once) whatever chunk they
     belong to; a chunk is finished, in the calling thread, once its last tail is done. At most
     `open_chunks` chunks are in flight: `wait_for_room` saves finished ones until there is
-    room for the next."""
+    room for the next. While it waits, `report` (a progress bar's postfix) is given
+    `activity()` about once a second: a sweep's last chunks can run one long tail for minutes
+    while the bar, which counts saved points, stands still."""
 
-    def __init__(self, threads: int, open_chunks: int):
+    def __init__(self, threads: int, open_chunks: int, report=None):
         self.todo, self.finished = queue.Queue(), queue.Queue()
         self.lock = threading.Lock()
         self.open, self.open_chunks, self.closed = 0, open_chunks, False
+        self.running, self.waiting = {}, 0  # running: thread → (label, start)
+        self.report, self.reported = report, 0.0
         self.threads = [
             threading.Thread(target=self._work, name="gflow-tails", daemon=True)
             for _ in range(threads)
@@ -302,6 +315,8 @@ class _TailPool:
             self.finished.put((idx, chunk, [], None))
             return
         state = {"left": len(chunk.calls), "results": [None] * len(chunk.calls)}
+        with self.lock:
+            self.waiting += len(chunk.calls)
         for j, call in enumerate(chunk.calls):
             self.todo.put((idx, chunk, state, j, call))
 
@@ -311,7 +326,13 @@ class _TailPool:
             if task is None:  # closed: the thread ends
                 return
             idx, chunk, state, j, call = task
-            if self.closed:
+            me = threading.get_ident()
+            with self.lock:
+                self.waiting -= 1
+                skip = self.closed
+                if not skip:
+                    self.running[me] = (chunk.label(j), time.monotonic())
+            if skip:
                 continue
             error = None
             try:
@@ -319,10 +340,29 @@ class _TailPool:
             except BaseException as e:  # handed to the caller, which raises it
                 error = e
             with self.lock:
+                del self.running[me]
                 state["left"] -= 1
                 last = state["left"] == 0
             if error is not None or last:
                 self.finished.put((idx, chunk, state["results"], error))
+
+    def activity(self) -> str:
+        """The tails in flight: `2 tails running (longest: depth=5 alpha=0.0001 seed=2, 41 s),
+        3 waiting`; empty where none is."""
+        with self.lock:
+            running, waiting = list(self.running.values()), self.waiting
+        if not running and not waiting:
+            return ""
+        text = f"{len(running)} tail{'s' * (len(running) != 1)} running"
+        if running:
+            label, start = min(running, key=lambda item: item[1])
+            text += f" (longest: {label}, {time.monotonic() - start:.0f} s)"
+        return text + (f", {waiting} waiting" if waiting else "")
+
+    def _report_activity(self, now=False):
+        if self.report is not None and (now or time.monotonic() - self.reported >= 1.0):
+            self.reported = time.monotonic()
+            self.report(self.activity())
 
     def save_finished(self, save, block: bool):
         """Finish and `save(idx, per-point arrays)` every chunk whose tails are done; with
@@ -341,11 +381,13 @@ class _TailPool:
         try:
             item = self.finished.get(timeout=0.2) if wait else self.finished.get_nowait()
         except queue.Empty:
+            self._report_activity()
             return False
         idx, chunk, results, error = item
         if error is not None:
             raise error
         self.open -= 1
+        self._report_activity(now=True)
         save(idx, chunk.finish(results))
         return True
 
