@@ -217,6 +217,9 @@ def test_diverging_point_is_a_status_not_an_exception():
     spec = gflow.SweepSpec(axes={"alpha": [0.1, 1e40]}, fixed={"dim": 3, "depth": 3}, chunk_size=2)
     ds = gflow.sweep(spec, progress=False)
     assert [gflow.Status(int(s)).label for s in ds["status"].values] == ["converged", "diverged"]
+    summary = gflow.sweep_summary(ds)
+    assert summary["not_converged"] == [{"alpha": 1e40, "status": "diverged"}]
+    json.dumps(summary)  # as the CLI prints it
 
 
 def test_spec_validation():
@@ -472,6 +475,8 @@ def test_a_worker_with_a_diverging_point_records_it_next_to_a_converging_one(tmp
     procs = [_start_worker(config, store, w) for w in ("0/2", "1/2")]
     reports = [_finish(p) for p in procs]
     assert [r["status"] for r in reports] == [{"diverged": 1}, {"converged": 1}]
+    assert reports[0]["not_converged"] == [{"alpha": 1e40, "status": "diverged"}]
+    assert "not_converged" not in reports[1]
     ds = gflow.load_sweep(store)
     assert gflow.status_labels(ds["status"].values).tolist() == ["converged", "diverged"]
 

@@ -170,12 +170,23 @@ def _chunk_indices(order, worker=None) -> list[list[int]]:
     return [idx for b, (_, idx) in enumerate(order) if worker is None or b % worker[1] == worker[0]]
 
 
+NOT_CONVERGED_LISTED = 20
+
+
+def _plain(value):
+    """A grid value as JSON writes it (numpy scalars as Python numbers)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def sweep_summary(ds, worker=None) -> dict:
     """Status counts of a sweep (a gridded dataset from `sweep` or `load_sweep`), by label.
 
     With `worker=(k, n)` the counts cover that worker's own chunks. Points not written yet
     (another worker's chunk still running, or an interrupted run) count as `pending`, and
-    `chunks_pending` says how many chunks of the whole store are still to be computed."""
+    `chunks_pending` says how many chunks of the whole store are still to be computed.
+    Written points that did not converge are listed by their axes and status under
+    `not_converged` (the first `NOT_CONVERGED_LISTED`, in grid order; the key is absent where
+    there are none)."""
     spec = SweepSpec.from_dict(json.loads(ds.attrs["spec"]))
     order = execution_order(spec)
     done = np.asarray(ds["done"].values).ravel()  # the grid is in canonical (row-major) order
@@ -187,6 +198,16 @@ def sweep_summary(ds, worker=None) -> dict:
         label = Status(int(code)).label
         counts[label] = counts.get(label, 0) + 1
     out = {"flows": int(own.size), "status": counts, "chunks_pending": int(pending)}
+    unfinished = [
+        int(i) for i in np.sort(own) if status[i] not in (Status.CONVERGED, Status.PENDING)
+    ]
+    if unfinished:
+        points = spec.points()
+        out["not_converged"] = [
+            {name: _plain(points[i][name]) for name in spec.axes}
+            | {"status": Status(int(status[i])).label}
+            for i in unfinished[:NOT_CONVERGED_LISTED]
+        ]
     if worker is not None:
         out["worker"] = f"{worker[0]}/{worker[1]}"
         out["store_flows"] = int(done.size)
