@@ -610,7 +610,7 @@ def test_the_tail_pool_reports_its_running_and_waiting_tails():
             return {"tails": results}
 
     reports, saved = [], []
-    pool = _TailPool(threads=1, open_chunks=2, report=reports.append)
+    pool = _TailPool(threads=1, open_chunks=2, report=reports.append, report_every=0.02)
     assert pool.activity() == ""
     pool.submit([7], Chunk())
     deadline = time.monotonic() + 10
@@ -618,13 +618,14 @@ def test_the_tail_pool_reports_its_running_and_waiting_tails():
         time.sleep(0.01)
     assert pool.activity().startswith("1 tail running (longest: seed=0, ")
     assert pool.activity().endswith(" s), 2 waiting")
-    assert not pool._save_next(lambda idx, res: saved.append(res), wait=True)
+    time.sleep(0.1)  # the reporter runs while nothing waits on the pool (a head computing)
     assert reports and reports[-1].startswith("1 tail running")
     release.set()
     pool.save_finished(lambda idx, res: saved.append((idx, res)), block=True)
     pool.close(wait=True)
     assert saved == [([7], {"tails": [0, 1, 2]})]
     assert reports[-1] == pool.activity() == ""  # the bar is left without a stale postfix
+    assert not pool.reporter.is_alive()
 
 
 def test_a_failing_tail_stops_the_sweep_with_its_error(monkeypatch):

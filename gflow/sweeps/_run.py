@@ -240,7 +240,8 @@ def sweep(spec: SweepSpec, out=None, *, resume=False, progress=True, devices=Non
 
     cores = _threads.available_cores()
     threads = 1 if spec.options.tails_run_alone else cores
-    pool = _TailPool(threads, open_chunks=open_chunks(cores), report=bar.set_postfix_str)
+    report = bar.set_postfix_str if progress else None
+    pool = _TailPool(threads, open_chunks=open_chunks(cores), report=report)
     try:
         # Tails side by side, across chunks too: one BLAS thread each (`_threads`).
         with _threads.blas_threads(1 if cores > 1 else None):
@@ -292,20 +293,27 @@ class _TailPool:
     threads (so that Ctrl-C or an error reaches the caller at once) whatever chunk they
     belong to; a chunk is finished, in the calling thread, once its last tail is done. At most
     `open_chunks` chunks are in flight: `wait_for_room` saves finished ones until there is
-    room for the next. While it waits, `report` (a progress bar's postfix) is given
-    `activity()` about once a second: a sweep's last chunks can run one long tail for minutes
-    while the bar, which counts saved points, stands still."""
+    room for the next. `report` (a progress bar's postfix) is given `activity()` every
+    `report_every` seconds from a thread of its own, heads running or not: a sweep's last
+    chunks can run one long tail for minutes while the bar, which counts saved points, stands
+    still."""
 
-    def __init__(self, threads: int, open_chunks: int, report=None):
+    def __init__(self, threads: int, open_chunks: int, report=None, report_every=1.0):
         self.todo, self.finished = queue.Queue(), queue.Queue()
         self.lock = threading.Lock()
         self.open, self.open_chunks, self.closed = 0, open_chunks, False
         self.running, self.waiting = {}, 0  # running: thread → (label, start)
-        self.report, self.reported = report, 0.0
+        self.stop_reporting = threading.Event()
         self.threads = [
             threading.Thread(target=self._work, name="gflow-tails", daemon=True)
             for _ in range(threads)
         ]
+        self.reporter = None
+        if report is not None:
+            self.reporter = threading.Thread(
+                target=self._report, args=(report, report_every), name="gflow-progress", daemon=True
+            )
+            self.reporter.start()
         for thread in self.threads:
             thread.start()
 
@@ -359,10 +367,10 @@ class _TailPool:
             text += f" (longest: {label}, {time.monotonic() - start:.0f} s)"
         return text + (f", {waiting} waiting" if waiting else "")
 
-    def _report_activity(self, now=False):
-        if self.report is not None and (now or time.monotonic() - self.reported >= 1.0):
-            self.reported = time.monotonic()
-            self.report(self.activity())
+    def _report(self, report, every: float):
+        while not self.stop_reporting.wait(every):
+            report(self.activity())
+        report("")  # a finished bar carries no stale postfix
 
     def save_finished(self, save, block: bool):
         """Finish and `save(idx, per-point arrays)` every chunk whose tails are done; with
@@ -381,13 +389,11 @@ class _TailPool:
         try:
             item = self.finished.get(timeout=0.2) if wait else self.finished.get_nowait()
         except queue.Empty:
-            self._report_activity()
             return False
         idx, chunk, results, error = item
         if error is not None:
             raise error
         self.open -= 1
-        self._report_activity(now=True)
         save(idx, chunk.finish(results))
         return True
 
@@ -396,8 +402,9 @@ class _TailPool:
         `wait`, return once they have ended: a thread still tearing down (freeing the compiled
         programs and arrays it held) while the interpreter exits aborts the process."""
         self.closed = True
+        self.stop_reporting.set()
         for _ in self.threads:
             self.todo.put(None)
         if wait:
-            for thread in self.threads:
+            for thread in self.threads + [self.reporter] * (self.reporter is not None):
                 thread.join()
