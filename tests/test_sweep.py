@@ -220,6 +220,10 @@ def test_diverging_point_is_a_status_not_an_exception():
     summary = gflow.sweep_summary(ds)
     assert summary["not_converged"] == [{"alpha": 1e40, "status": "diverged"}]
     json.dumps(summary)  # as the CLI prints it
+    # a stop the user asked for (here a horizon) is counted, not listed
+    ds["status"].values[:] = int(gflow.Status.T_MAX)
+    assert gflow.sweep_summary(ds)["status"] == {"t_max": 2}
+    assert "not_converged" not in gflow.sweep_summary(ds)
 
 
 def test_spec_validation():

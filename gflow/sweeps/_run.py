@@ -30,12 +30,12 @@ from ._store import _chunk_indices, _open_or_create, _template, write_points
 class StartedChunk:
     """A chunk of grid points (parameter dicts) whose batched heads have run (padded to
     `chunk_size`, so that every chunk of a group shares one compiled program; with
-    `tails="apart"`, up to where each member's stiff tail would begin, the padding's tails
-    never run; with `sensitivity`,
+    `tails="apart"`, up to where each member's stiff tail would begin; with `sensitivity`,
     also from the perturbed inits, keyed by the points' canonical `indices`): `calls` are
-    its pending stiff tails, to run anywhere and side by side, and `finish(results)` gives
-    the chunk's per-point arrays from their results (in the order of `calls`). Each point's
-    `wall_time_s` is its share of the heads' time plus its own tails' time."""
+    its points' pending stiff tails (never the padding's), to run anywhere and side by
+    side, and `finish(results)` gives the chunk's per-point arrays from their results (in
+    the order of `calls`). Each point's `wall_time_s` is its share of the heads' time plus
+    its own tails' time."""
 
     def __init__(self, spec: SweepSpec, chosen: list[dict], devices=None, indices=None):
         start = time.perf_counter()

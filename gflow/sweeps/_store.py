@@ -184,9 +184,10 @@ def sweep_summary(ds, worker=None) -> dict:
     With `worker=(k, n)` the counts cover that worker's own chunks. Points not written yet
     (another worker's chunk still running, or an interrupted run) count as `pending`, and
     `chunks_pending` says how many chunks of the whole store are still to be computed.
-    Written points that did not converge are listed by their axes and status under
-    `not_converged` (the first `NOT_CONVERGED_LISTED`, in grid order; the key is absent where
-    there are none)."""
+    Written points that stopped short of their endpoint where the user did not ask them to
+    (out of steps, diverged, a solver failure; not `t_max`, `stop_loss` or `rounding_floor`
+    stops) are listed by their axes and status under `not_converged` (the first
+    `NOT_CONVERGED_LISTED`, in grid order; the key is absent where there are none)."""
     spec = SweepSpec.from_dict(json.loads(ds.attrs["spec"]))
     order = execution_order(spec)
     done = np.asarray(ds["done"].values).ravel()  # the grid is in canonical (row-major) order
@@ -198,9 +199,8 @@ def sweep_summary(ds, worker=None) -> dict:
         label = Status(int(code)).label
         counts[label] = counts.get(label, 0) + 1
     out = {"flows": int(own.size), "status": counts, "chunks_pending": int(pending)}
-    unfinished = [
-        int(i) for i in np.sort(own) if status[i] not in (Status.CONVERGED, Status.PENDING)
-    ]
+    unasked = (Status.MAX_STEPS, Status.DIVERGED, Status.FAILED)
+    unfinished = [int(i) for i in np.sort(own) if status[i] in unasked]
     if unfinished:
         points = spec.points()
         out["not_converged"] = [
