@@ -302,7 +302,7 @@ class _TailPool:
         self.todo, self.finished = queue.Queue(), queue.Queue()
         self.lock = threading.Lock()
         self.open, self.open_chunks, self.closed = 0, open_chunks, False
-        self.running, self.waiting = {}, 0  # running: thread → (label, start)
+        self.running = {}  # thread → (label, start)
         self.stop_reporting = threading.Event()
         self.threads = [
             threading.Thread(target=self._work, name="gflow-tails", daemon=True)
@@ -323,8 +323,6 @@ class _TailPool:
             self.finished.put((idx, chunk, [], None))
             return
         state = {"left": len(chunk.calls), "results": [None] * len(chunk.calls)}
-        with self.lock:
-            self.waiting += len(chunk.calls)
         for j, call in enumerate(chunk.calls):
             self.todo.put((idx, chunk, state, j, call))
 
@@ -336,7 +334,6 @@ class _TailPool:
             idx, chunk, state, j, call = task
             me = threading.get_ident()
             with self.lock:
-                self.waiting -= 1
                 skip = self.closed
                 if not skip:
                     self.running[me] = (chunk.label(j), time.monotonic())
@@ -358,7 +355,8 @@ class _TailPool:
         """The tails in flight: `2 tails running (longest: depth=5 alpha=0.0001 seed=2, 41 s),
         3 waiting`; empty where none is."""
         with self.lock:
-            running, waiting = list(self.running.values()), self.waiting
+            running = list(self.running.values())
+        waiting = self.todo.qsize()  # tails no thread has taken yet
         if not running and not waiting:
             return ""
         text = f"{len(running)} tail{'s' * (len(running) != 1)} running"

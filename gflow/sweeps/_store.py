@@ -173,11 +173,6 @@ def _chunk_indices(order, worker=None) -> list[list[int]]:
 NOT_CONVERGED_LISTED = 20
 
 
-def _plain(value):
-    """A grid value as JSON writes it (numpy scalars as Python numbers)."""
-    return value.item() if isinstance(value, np.generic) else value
-
-
 def sweep_summary(ds, worker=None) -> dict:
     """Status counts of a sweep (a gridded dataset from `sweep` or `load_sweep`), by label.
 
@@ -204,7 +199,7 @@ def sweep_summary(ds, worker=None) -> dict:
     if unfinished:
         points = spec.points()
         out["not_converged"] = [
-            {name: _plain(points[i][name]) for name in spec.axes}
+            {name: points[i][name] for name in spec.axes}  # plain scalars (`SweepSpec`)
             | {"status": Status(int(status[i])).label}
             for i in unfinished[:NOT_CONVERGED_LISTED]
         ]
