@@ -123,3 +123,30 @@ def test_the_fusion_probe_compiles_both_ways_and_restores_gflows_options():
     assert all(row["result"].status_label == "converged" for row in rows)
     np.testing.assert_allclose(rows[0]["sigma"][:2], rows[1]["sigma"][:2], rtol=1e-9)
     assert _compile.compiler_options() == before
+
+
+def test_the_radau_step_probe_keeps_the_previous_stage_solve_and_restores_the_engines():
+    """`python -m benchmarks.radau_step`: the earlier formulation it times the engine's
+    against (complex N₀ solves in the original basis) solves the same system, and tracing
+    with it leaves the engine's functions in place."""
+    import jax.numpy as jnp
+
+    from benchmarks.radau_step import previous_stage_solve, previous_stage_system, traced
+    from gflow.engine import _radau
+
+    rng = np.random.default_rng(1)
+    g = jnp.asarray(rng.standard_normal((3, 4, 10)))
+    r = rng.standard_normal((10, 10))
+    e, basis = map(jnp.asarray, np.linalg.eigh(0.1 * (r + r.T)))
+    rhs = jnp.asarray(rng.standard_normal((3, 10)))
+    for h in (0.3, 50.0):
+        engine = _radau.stage_solve(_radau.stage_system(g, h, e, basis), h, basis, rhs)
+        previous = previous_stage_solve(previous_stage_system(g, h, e, basis), h, basis, rhs)
+        np.testing.assert_allclose(previous, engine, rtol=1e-10, atol=1e-12)
+    engine_pair = (_radau.stage_system, _radau.stage_solve)
+    with traced("previous"):
+        assert (_radau.stage_system, _radau.stage_solve) == (
+            previous_stage_system,
+            previous_stage_solve,
+        )
+    assert (_radau.stage_system, _radau.stage_solve) == engine_pair

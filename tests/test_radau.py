@@ -26,9 +26,8 @@ def test_the_stage_system_is_solved_as_the_dense_newton_matrix(h):
     r = 0.01 * (r + r.T)  # indefinite, as a residual's curvature is
     e, basis = np.linalg.eigh(r)
     rhs = rng.standard_normal((3, size))
-    args = (h, jnp.asarray(e), jnp.asarray(basis))
-    system = _radau.stage_system(jnp.asarray(g), *args)
-    x = np.asarray(_radau.stage_solve(system, *args, jnp.asarray(rhs)))
+    system = _radau.stage_system(jnp.asarray(g), h, jnp.asarray(e), jnp.asarray(basis))
+    x = np.asarray(_radau.stage_solve(system, h, jnp.asarray(basis), jnp.asarray(rhs)))
     matrix = _dense_newton_matrix(g, r, h)
     expected = np.linalg.solve(matrix, rhs.reshape(-1)).reshape(3, size)
     residual = np.linalg.norm(matrix @ x.reshape(-1) - rhs.reshape(-1))

@@ -116,17 +116,21 @@ class RadauInterpolation(diffrax.AbstractLocalInterpolation):
 
 def stage_system(g, h, e, basis):
     """The factorised Newton matrix of a step, M = I + h(A ⊗ I)·diag(G_iᵀG_i) + h(A ⊗ R₀),
-    from the stages' observed Jacobians `g` (3, m, P) and R₀ = E diag(e) Eᵀ (`e`, `basis`):
-    N₀ = I + h(A ⊗ R₀) is diagonal in Q ⊗ E (A = QΛQ⁻¹), and Woodbury leaves the 3m × 3m
-    system I + V N₀⁻¹ U, U = h(A ⊗ I)·diag(G_iᵀ), V = diag(G_i), whose (i, j) block is
-    h Σ_k Q_ik (Q⁻¹A)_kj Ĝ_i diag(1/(1 + hλ_k e)) Ĝ_jᵀ with Ĝ = G E. It is real: the complex
-    pair's two terms are conjugate, so it takes three real products."""
+    from the stages' observed Jacobians `g` (3, m, P) and R₀ = E diag(e) Eᵀ (`e`, `basis`).
+
+    In R₀'s eigenbasis (x̂ = x E) N₀ = I + h(A ⊗ R₀) is a 3 × 3 block per eigenvalue e_p,
+    N̂₀⁻¹ = Q diag(1/(1 + hλ_k e_p)) Q⁻¹ (A = QΛQ⁻¹; real: the complex pair's terms are
+    conjugate), and Woodbury leaves the 3m × 3m system I + V N₀⁻¹ U, U = h(A ⊗ I)·diag(G_iᵀ),
+    V = diag(G_i), whose (i, j) block is h Σ_k Q_ik (Q⁻¹A)_kj Ĝ_i diag(1/(1 + hλ_k e)) Ĝ_jᵀ
+    with Ĝ = G E: three real products. Returns Ĝ, the blocks N̂₀⁻¹ (P, 3, 3) and the LU
+    factors of the small system with their row permutation."""
     m, size = g.shape[1], g.shape[2]
     dtype = g.dtype
     inverse = 1.0 / (1.0 + h * jnp.asarray(LAMBDA)[:, None] * e[None, :])
     weights = jnp.stack([jnp.real(inverse[0]), jnp.real(inverse[1]), jnp.imag(inverse[1])])
-    g_hat = (g @ basis).reshape(3 * m, size)
-    kernels = (g_hat[None] * weights[:, None, :]).reshape(9 * m, size) @ g_hat.T
+    g_hat = g @ basis
+    rows = g_hat.reshape(3 * m, size)
+    kernels = (rows[None] * weights[:, None, :]).reshape(9 * m, size) @ rows.T
     spread = lambda w: jnp.kron(jnp.asarray(w, dtype), jnp.ones((m, m), dtype))
     mixes = (
         spread(np.real(MIX[:, 0])),
@@ -134,23 +138,33 @@ def stage_system(g, h, e, basis):
         -spread(2 * np.imag(MIX[:, 1])),
     )
     capacity = sum(w * k for w, k in zip(mixes, kernels.reshape(3, 3 * m, 3 * m), strict=True))
-    return g, jax.scipy.linalg.lu_factor(jnp.eye(3 * m, dtype=dtype) + h * capacity)
+    blocks = jnp.real(jnp.einsum("ik,kp,kj->pij", jnp.asarray(Q), inverse, jnp.asarray(Q_INVERSE)))
+    return g_hat, blocks, lu_factor(jnp.eye(3 * m, dtype=dtype) + h * capacity)
 
 
-def stage_solve(system, h, e, basis, rhs):
-    """M⁻¹ rhs (rhs: (3, P), a row per stage) for M of `stage_system`."""
-    g, capacity = system
-    q, q_inverse = jnp.asarray(Q), jnp.asarray(Q_INVERSE)
-    scale = 1.0 + h * jnp.asarray(LAMBDA)[:, None] * e[None, :]
+def stage_solve(system, h, basis, rhs):
+    """M⁻¹ rhs (rhs: (3, P), a row per stage) for M of `stage_system`, in R₀'s eigenbasis."""
+    g_hat, blocks, small = system
+    n0_solve = lambda x: jnp.einsum("pij,jp->ip", blocks, x)
+    u = n0_solve(rhs @ basis)
+    c = lu_solve(small, jnp.einsum("iop,ip->io", g_hat, u).reshape(-1)).reshape(3, -1)
+    correction = h * jnp.asarray(A, rhs.dtype) @ jnp.einsum("iop,io->ip", g_hat, c)
+    return (u - n0_solve(correction)) @ basis.T
 
-    def n0_solve(x):
-        x = (q_inverse @ (x @ basis).astype(q.dtype)) / scale
-        return jnp.real(q @ x) @ basis.T
 
-    u = n0_solve(rhs)
-    c = jax.scipy.linalg.lu_solve(capacity, jnp.einsum("iop,ip->io", g, u).reshape(-1))
-    a = jnp.asarray(A, rhs.dtype)
-    return u - n0_solve(h * a @ jnp.einsum("iop,io->ip", g, c.reshape(3, g.shape[1])))
+def lu_factor(matrix):
+    """LU factors of `matrix` with the row permutation, taken once for all solves with it
+    (`jax.scipy.linalg.lu_solve` turns the pivots into a permutation at each solve)."""
+    lu, _, permutation = jax.lax.linalg.lu(matrix)
+    return lu, permutation
+
+
+def lu_solve(factors, rhs):
+    lu, permutation = factors
+    x = jax.lax.linalg.triangular_solve(
+        lu, rhs[permutation, None], left_side=True, lower=True, unit_diagonal=True
+    )
+    return jax.lax.linalg.triangular_solve(lu, x, left_side=True, lower=False)[:, 0]
 
 
 def layer_scaled_tolerance(active, *flats, step_tolerance):
@@ -301,7 +315,7 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
             return stage_system(g, h, e, basis)
 
         def solve(matrix, rhs):
-            return stage_solve(matrix, h, e, basis, rhs)
+            return stage_solve(matrix, h, basis, rhs)
 
         def newton(carry):
             z, it, change, growing, matrix, formed = carry
@@ -339,13 +353,11 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
         # Directions of negative curvature (R₀'s negative eigenvalues: a saddle) are left
         # unfiltered: (γ₀/h − μ)⁻¹ with μ > 0 would amplify the estimate near h = γ₀/μ.
         diagonal = GAMMA0 / h + jnp.maximum(e, 0.0)
-        small = jax.scipy.linalg.lu_factor(
-            jnp.eye(self.entries, dtype=flat0.dtype) + (g0 / diagonal) @ g0.T
-        )
+        small = lu_factor(jnp.eye(self.entries, dtype=flat0.dtype) + (g0 / diagonal) @ g0.T)
 
         def estimate_solve(rhs):
             x = (rhs @ basis) / diagonal
-            x = x - (jax.scipy.linalg.lu_solve(small, g0 @ x) @ g0) / diagonal
+            x = x - (lu_solve(small, g0 @ x) @ g0) / diagonal
             return x @ basis.T
 
         _, stage_passive = jax.vmap(rates)(flat0[None] + z)
