@@ -32,17 +32,13 @@ from jax.flatten_util import ravel_pytree
 
 jax.config.update("jax_enable_x64", True)
 
-import diffrax  # noqa: E402
-
 import gflow  # noqa: E402
-from gflow.engine._dynamics import FieldArgs, physical_field  # noqa: E402
-from gflow.engine._flow import observed_bound  # noqa: E402
 from gflow.engine._radau import NEWTON_ERROR, layer_scaled_tolerance  # noqa: E402
-from gflow.engine._solve import _setup, _solvers  # noqa: E402
 from gflow.engine._solver_loop import state_after_step  # noqa: E402
 from gflow.model import loss_hessian  # noqa: E402
 
-from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
+from .radau_step import tail_from  # noqa: E402
+from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL  # noqa: E402
 from .tails import parse_point  # noqa: E402
 
 
@@ -52,15 +48,8 @@ def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS, t_max=mat
     `iterations`, `newton_failed`, `accepted`, `estimate`: RMS of the embedded estimate over
     the tolerance, `reported`: the same with the Newton-aware floor), with the spectrum of
     ∇²loss where the flow stopped (`hessian`: its eigenvalues, ascending)."""
-    problem, init = sweep_point(*point)
-    options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps, t_max=t_max)
-    result = gflow.flow(problem, init, options)
-    model = result.model
-    setup = _setup(problem, model, options, None, method="radau")
-    solver = _solvers(options, setup, None, observed_bound(problem), method="radau")["stiff"]
-    terms = diffrax.ODETerm(physical_field)
-    args = FieldArgs(problem, 0.0, False, None, setup.tail_compensated)
-    controller = setup.tail_controller
+    result, solver, terms, args, controller = tail_from(point, t_max, rtol, max_steps)
+    model, problem = result.model, args.problem
     order = solver.error_order(terms)
     floors = jnp.asarray(NEWTON_ERROR)
 

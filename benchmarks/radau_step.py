@@ -104,11 +104,11 @@ def parse_case(text):
     return parse_point(point), float(t_max)
 
 
-def tail_from(point, t_max):
-    """The flow of `point` to `t_max` and the Radau tail the engine would step it with:
-    (result, solver, terms, args, controller)."""
+def tail_from(point, t_max, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS):
+    """The flow of `point` to `t_max` (or the end of its budget) and the Radau tail the engine
+    would step it on with: (result, solver, terms, args, controller)."""
     problem, init = sweep_point(*point)
-    options = gflow.FlowOptions(rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS, t_max=t_max)
+    options = gflow.FlowOptions(rtol=rtol, max_steps=max_steps, t_max=t_max)
     result = gflow.flow(problem, init, options)
     setup = _setup(problem, result.model, options, None, method="radau")
     bound = observed_bound(problem, RADAU_MULTIPLE)
