@@ -11,13 +11,14 @@ permutation at each solve. This probe keeps that earlier formulation (`previous_
 
 - for each point (depth:α:seed@t, a d = 8 point of the 112-flow sweep and a flow time inside
   its Radau tail), `gflow.flow` at the sweep's options to that time;
-- from there `--attempts` Radau attempts, each sized by the tail's own step-size controller,
-  with the step compiled both ways (gflow's compiler options; compilation outside the clock),
-  `--rounds` rounds in alternation from the same state;
+- from there `--attempts` Radau attempts in one compiled loop, each sized by the tail's own
+  step-size controller and kept or rejected as gflow's loop does, compiled both ways
+  (gflow's compiler options; compilation outside the clock), `--rounds` rounds in
+  alternation from the same state;
 - per way: ms an attempt, Newton iterations an attempt, the attempts accepted, and how far
   apart the two ways' parameters end (relative, max over entries).
 
-    python -m benchmarks.radau_step 5:1e-2:0@1e15 4:1e-4:2@1e9 --attempts 300 --rounds 3
+    python -m benchmarks.radau_step 5:1e-2:0@1e15 4:1e-4:2@1e9 --attempts 300 --rounds 6
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def timed(program, start):
 def compare(case, attempts, rounds):
     """Rows (way, round, ms an attempt, iterations an attempt, accepted) and the parameters'
     relative distance between the ways after the last round."""
-    (point, t_max) = case
+    point, t_max = case
     result, solver, terms, args, controller = tail_from(point, t_max)
     t0 = float(result.t_end)
     y = {"model": result.model}
