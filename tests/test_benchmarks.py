@@ -150,3 +150,27 @@ def test_the_radau_step_probe_keeps_the_previous_stage_solve_and_restores_the_en
             previous_stage_solve,
         )
     assert (_radau.stage_system, _radau.stage_solve) == engine_pair
+
+
+def test_the_tail_compile_probe_unrolls_the_same_stages_and_restores_the_loop():
+    """`python -m benchmarks.tail_compile`: the unrolled stages it compiles against gflow's
+    loop carry the same state through the same stages, and leave the loop in place."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.tail_compile import stages, unrolled_stages
+    from gflow.engine import _rosenbrock
+
+    def stage(i, carry):
+        rows, total = carry
+        return rows.at[i].set(total + i), total + rows[i - 1] * 2.0
+
+    start = (jnp.arange(6.0) + 1.0, jnp.asarray(0.5))
+    looped = jax.jit(lambda s: _rosenbrock.stage_loop(stage, s, 1, 6))(start)
+    unrolled = jax.jit(lambda s: unrolled_stages(stage, s, 1, 6))(start)
+    for a, b in zip(looped, unrolled, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    loop = _rosenbrock.stage_loop
+    with stages("unrolled"):
+        assert _rosenbrock.stage_loop is unrolled_stages
+    assert _rosenbrock.stage_loop is loop
