@@ -36,6 +36,8 @@ on a sweep whose slowest flows spend their whole step budget (2026-12-05; `_solv
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import ClassVar, NamedTuple
 
@@ -774,27 +776,25 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
         stage_count = tableau.stages
         a_rows = jnp.asarray(_lower_rows(a_, stage_count), flat0.dtype)
         c_rows = jnp.asarray(_lower_rows(c_, stage_count), flat0.dtype) / h
+        # Σ_j w_j·K_j term by term in j's order, for the stages, the solution and the dense
+        # output: the same sums in every program the step is part of (the zero weights of
+        # stages still to come add exactly nothing)
+        weighted = lambda weights, kk: functools.reduce(
+            operator.add, (w * k for w, k in zip(weights, kk, strict=False))
+        )
 
         def stages(solve):
             """The stage solutions (and their passive rows), whether every solve succeeded,
             and the CG iterations spent."""
 
-            def combine(row, rows):
-                # Σ_j row_j·K_j, term by term in j's order (the zero terms of stages to come
-                # add exactly nothing): the same sums in every program the step is part of
-                total = row[0] * rows[0]
-                for j in range(1, stage_count):
-                    total = total + row[j] * rows[j]
-                return total
-
             def stage(i, carry, first=False):
                 ks, kps, images, ok, iters = carry
                 a_row, c_row = a_rows[i], c_rows[i]
-                fi, gi = (f0, g0) if first else f(flat0 + combine(a_row, ks))
-                k, good, n, image = solve(fi + combine(c_row, ks), ks, images)
+                fi, gi = (f0, g0) if first else f(flat0 + weighted(a_row, ks))
+                k, good, n, image = solve(fi + weighted(c_row, ks), ks, images)
                 if passive0:
                     # Passive rows: K_p/(hγ) − (∂f_p/∂y_a) K_a = rhs_p.
-                    kps = kps.at[i].set((gi + combine(c_row, kps) + jvp_both(k)[1]) / shift)
+                    kps = kps.at[i].set((gi + weighted(c_row, kps) + jvp_both(k)[1]) / shift)
                 ok = ok & good
                 iters = iters + jnp.asarray(n, jnp.int32)
                 return ks.at[i].set(k), kps, images.at[i].set(image), ok, iters
@@ -840,18 +840,16 @@ class Rodas4(diffrax.AbstractAdaptiveSolver):
                 redone = (tableau.stages - 1) * failed.astype(jnp.int32)
                 new_state["redone_stages"] = solver_state["redone_stages"] + redone
 
-        combine = lambda kk: sum(m * k for m, k in zip(m_, kk, strict=True))
-        y1 = unravel(flat0 + combine(ks))
+        y1 = unravel(flat0 + weighted(m_, ks))
         y_error = unravel(jnp.where(ok, ks[-1], jnp.inf))
         if passive0:
-            p1 = unravel_passive(passive_flat0 + combine(kps))
+            p1 = unravel_passive(passive_flat0 + weighted(m_, kps))
             y1 = {**y1, **p1}
             y_error = {**y_error, **unravel_passive(jnp.where(ok, kps[-1], jnp.inf))}
-        dense = lambda row, kk: sum(w * k for w, k in zip(row, kk, strict=False))
-        ks_dense = tuple(unravel(dense(row, ks)) for row in rows_)
+        ks_dense = tuple(unravel(weighted(row, ks)) for row in rows_)
         if passive0:
             ks_dense = tuple(
-                {**k, **unravel_passive(dense(row, kps))}
+                {**k, **unravel_passive(weighted(row, kps))}
                 for k, row in zip(ks_dense, rows_, strict=True)
             )
         dense_info = dict(y0=y0, y1=y1, ks=ks_dense)
