@@ -84,7 +84,7 @@ def compare(point, rounds=2, runs=3):
                     clock = time.perf_counter()
                     result = jax.block_until_ready(tail(problem, init, start))
                     best = min(best, time.perf_counter() - clock)
-            steps = int(np.asarray(result.phase_work)[gflow.Phase.STIFF_TAIL][0])
+            steps = result.work()["stiff tail"]["steps"]
             sigma = np.asarray(gflow.singular_values(result.model))[:3]
             rows.append((way, k, compile_time.seconds, 1e3 * best / steps, steps, sigma))
     return rows
