@@ -100,7 +100,7 @@ def test_block_cholesky_solve_is_the_inverse(size, block, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-7 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("size, block", [(16, 4), (23, 5), (7, 2), (9, 3)])
+@pytest.mark.parametrize("size, block", [(16, 4), (23, 5), (7, 2), (9, 3), (40, 7)])
 def test_blocked_spd_inverse_is_the_inverse(size, block, monkeypatch):
     """The `inverse` factorization's blocked L⁻ᵀL⁻¹, over even and uneven blocks, on an SPD
     matrix of condition 1e8: exactly symmetric, and the dense inverse to ~cond·ε."""
