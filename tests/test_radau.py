@@ -99,10 +99,12 @@ def test_the_radau_tail_lands_on_the_reference_and_counts_its_work(radau_case):
     assert distance["singular_values"] <= 1e-8, distance
     assert distance["unobserved"] <= 1e-8, distance
     tail = radau.work()["stiff tail"]
-    # Newton iterations, Newton matrices and evaluations of the rates, all counted
+    # Newton iterations, Newton matrices and evaluations of the rates, all counted: three a
+    # Newton iteration, f(y0) and at most one refinement an attempt (no passive rows here)
     assert tail["linear_iters"] >= tail["steps"] > 0
     assert tail["factorizations"] >= tail["steps"]
-    assert tail["rhs_evals"] >= 3 * tail["linear_iters"] + 4 * tail["steps"]
+    assert tail["rhs_evals"] >= 3 * tail["linear_iters"] + tail["steps"]
+    assert tail["rhs_evals"] < 3 * tail["linear_iters"] + 4 * tail["steps"]
     assert int(radau.num_rhs_evals) == sum(p["rhs_evals"] for p in radau.work().values())
 
 
@@ -124,6 +126,9 @@ def test_the_energy_integral_rides_through_the_radau_tail(radau_case):
     assert certified.status_label == "converged"
     assert gflow.energy_residual(certified) <= 1e-9
     np.testing.assert_allclose(certified.model.product(), radau.model.product(), atol=1e-9)
+    # the energy's stages take the rates at the three converged stages of each attempt
+    tail = certified.work()["stiff tail"]
+    assert tail["rhs_evals"] >= 3 * tail["linear_iters"] + 4 * tail["steps"]
 
 
 def test_radau_tails_are_not_batched():

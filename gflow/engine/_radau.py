@@ -360,8 +360,11 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
             x = x - (lu_solve(small, g0 @ x) @ g0) / diagonal
             return x @ basis.T
 
-        _, stage_passive = jax.vmap(rates)(flat0[None] + z)
-        (f0, p0), jvp = jax.linearize(rates, flat0)
+        # f(y0), and for passive rows the rates' derivative there (their error, below)
+        if passive0:
+            (f0, p0), jvp = jax.linearize(rates, flat0)
+        else:
+            f0, p0 = rates(flat0)
         combined = jnp.asarray(ESTIMATE, flat0.dtype) @ z / h
         err = estimate_solve(f0 + combined)
         y1_tol = layer_scaled_tolerance(active0, flat0, y1_flat, step_tolerance=self.step_tolerance)
@@ -373,11 +376,16 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
 
         # Passive rows: stages by collocation on the model's stages, error from the same
         # estimate (γ₀/h)·err_p − (∂f_p/∂θ)·err = f_p(y0) + Σ d_i z_p,i / h.
-        z_passive = h * a @ stage_passive
+        if passive0:
+            _, stage_passive = jax.vmap(rates)(flat0[None] + z)
+            z_passive = h * a @ stage_passive
+            err_passive = (h / GAMMA0) * (
+                p0 + jnp.asarray(ESTIMATE, flat0.dtype) @ z_passive / h + jvp(err)[1]
+            )
+        else:
+            z_passive = jnp.zeros((3, 0), flat0.dtype)
+            err_passive = jnp.zeros_like(passive_flat0)
         p1 = passive_flat0 + z_passive[2]
-        err_passive = (h / GAMMA0) * (
-            p0 + jnp.asarray(ESTIMATE, flat0.dtype) @ z_passive / h + jvp(err)[1]
-        )
 
         # Newton-aware growth (as RADAU5's safety factor): a step that took many iterations
         # reports at least NEWTON_ERROR[iterations] × its tolerance, so that the controller
@@ -393,7 +401,7 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
             **unravel_passive(jnp.where(ok, err_passive, jnp.inf)),
         }
         stages = {**jax.vmap(unravel)(z), **jax.vmap(unravel_passive)(z_passive)}
-        evaluations = 3 * iterations + 3 + 1 + refine.astype(jnp.int32)
+        evaluations = 3 * iterations + 1 + refine.astype(jnp.int32) + 3 * bool(passive0)
         new_state = {
             "residual": (e, basis),
             "age": jnp.where(refresh, 1, solver_state["age"] + 1).astype(jnp.int32),
