@@ -21,6 +21,15 @@ system (Woodbury). M is formed once a step, at the stages predicted by the previ
 collocation polynomial; Newton then costs three gradients and two passes through E a
 iteration. The local error is RADAU5's embedded estimate (Hairer & Wanner IV.8), refined once
 through f(y0 + err) where it exceeds the tolerance, with the same approximate Jacobian at y0.
+
+E keeps R₀'s `basis_size` eigenpairs largest in |e| (`NEWTON_BASIS`, 32), and R₀ is taken as
+zero outside them: an eigenvalue left out changes N₀ by h|e|, which costs Newton contraction,
+never accuracy (the stages are solved to `newton_tol` all the same; the error filter then
+damps less, which can only cost steps). On the d = 8 sweep's tails R₀ has 16–24 eigenvalues
+with h|e| ≫ 1 and a tail mostly below 1, and the passes through E cost 3·P·32 instead of
+3·P² a solve. Outside span(E), the Gauss–Newton rows enter as they are, projected twice
+(`outside`): rounding left along a stiff direction, where N₀⁻¹ is tiny, would otherwise be
+taken at weight 1.
 """
 
 from __future__ import annotations
@@ -60,6 +69,13 @@ RADAU_STEP_LIMITS = {"factormax": 3.0}
 # 1.5× at 3, none from 4 (0.9·err^(−1/4) = growth).
 NEWTON_ERROR = tuple((0.9 / g) ** 4 for g in (3.0, 3.0, 3.0, 1.5, 1.0))
 
+
+# R₀'s eigenpairs Newton's matrix and the error estimate keep, the largest in |e|. On the
+# d = 8 sweep's Radau tails 16–24 eigenvalues have h|e| ~ 1e2–1e8; the 33rd has h|e| < 0.5 at
+# 90% of the steps (at most 15), where a dropped eigenvalue costs Newton ~0.27·h|e| of
+# contraction. Warm, that sweep took 175–177 s with 32, 202–219 s with 64 and 231–243 s with
+# all P (benchmarks/README, "twenty-sixth session").
+NEWTON_BASIS = 32
 
 # The largest model the Radau tail takes: it holds P × P matrices (the Hessian, R₀'s
 # eigenvectors; 134 MB at 4,096) and decomposes one every 50 steps (~7 ms at P = 320 here).
@@ -114,23 +130,35 @@ class RadauInterpolation(diffrax.AbstractLocalInterpolation):
         )
 
 
+def outside(x, basis):
+    """The part of x's rows outside span(basis) (orthonormal columns), projected twice: one
+    pass leaves rounding of x's size along the basis, where N₀⁻¹ may be ~1e-8 (stiff
+    directions) but the complement's 1 would keep it."""
+    for _ in range(2):
+        x = x - (x @ basis) @ basis.T
+    return x
+
+
 def stage_system(g, h, e, basis):
     """The factorised Newton matrix of a step, M = I + h(A ⊗ I)·diag(G_iᵀG_i) + h(A ⊗ R₀),
-    from the stages' observed Jacobians `g` (3, m, P) and R₀ = E diag(e) Eᵀ (`e`, `basis`).
+    from the stages' observed Jacobians `g` (3, m, P) and R₀ = E diag(e) Eᵀ over k ≤ P
+    eigenpairs (`e`, `basis` P × k; with k < P, R₀ is zero outside span(E)).
 
     In R₀'s eigenbasis (x̂ = x E) N₀ = I + h(A ⊗ R₀) is a 3 × 3 block per eigenvalue e_p,
     N̂₀⁻¹ = Q diag(1/(1 + hλ_k e_p)) Q⁻¹ (A = QΛQ⁻¹; real: the complex pair's terms are
-    conjugate), and Woodbury leaves the 3m × 3m system I + V N₀⁻¹ U, U = h(A ⊗ I)·diag(G_iᵀ),
-    V = diag(G_i), whose (i, j) block is h Σ_k Q_ik (Q⁻¹A)_kj Ĝ_i diag(1/(1 + hλ_k e)) Ĝ_jᵀ
-    with Ĝ = G E: three real products. Returns Ĝ, the blocks N̂₀⁻¹ (P, 3, 3) and the LU
-    factors of the small system with their row permutation."""
+    conjugate), and the identity outside span(E). Woodbury leaves the 3m × 3m system
+    I + V N₀⁻¹ U, U = h(A ⊗ I)·diag(G_iᵀ), V = diag(G_i), whose (i, j) block is
+    h Σ_k Q_ik (Q⁻¹A)_kj Ĝ_i diag(1/(1 + hλ_k e)) Ĝ_jᵀ + h A_ij G⊥_i G⊥_jᵀ with Ĝ = G E and
+    G⊥ = G's rows outside span(E). Returns Ĝ, G⊥ (None where k = P), the blocks N̂₀⁻¹
+    (k, 3, 3) and the LU factors of the small system with their row permutation."""
     m, size = g.shape[1], g.shape[2]
+    kept = basis.shape[1]
     dtype = g.dtype
     inverse = 1.0 / (1.0 + h * jnp.asarray(LAMBDA)[:, None] * e[None, :])
     weights = jnp.stack([jnp.real(inverse[0]), jnp.real(inverse[1]), jnp.imag(inverse[1])])
     g_hat = g @ basis
-    rows = g_hat.reshape(3 * m, size)
-    kernels = (rows[None] * weights[:, None, :]).reshape(9 * m, size) @ rows.T
+    rows = g_hat.reshape(3 * m, kept)
+    kernels = (rows[None] * weights[:, None, :]).reshape(9 * m, kept) @ rows.T
     spread = lambda w: jnp.kron(jnp.asarray(w, dtype), jnp.ones((m, m), dtype))
     mixes = (
         spread(np.real(MIX[:, 0])),
@@ -138,18 +166,63 @@ def stage_system(g, h, e, basis):
         -spread(2 * np.imag(MIX[:, 1])),
     )
     capacity = sum(w * k for w, k in zip(mixes, kernels.reshape(3, 3 * m, 3 * m), strict=True))
+    g_perp = None
+    if kept < size:
+        g_perp = outside(g, basis)
+        flat = g_perp.reshape(3 * m, size)
+        capacity = capacity + spread(A) * (flat @ flat.T)
     blocks = jnp.real(jnp.einsum("ik,kp,kj->pij", jnp.asarray(Q), inverse, jnp.asarray(Q_INVERSE)))
-    return g_hat, blocks, lu_factor(jnp.eye(3 * m, dtype=dtype) + h * capacity)
+    return g_hat, g_perp, blocks, lu_factor(jnp.eye(3 * m, dtype=dtype) + h * capacity)
 
 
 def stage_solve(system, h, basis, rhs):
-    """M⁻¹ rhs (rhs: (3, P), a row per stage) for M of `stage_system`, in R₀'s eigenbasis."""
-    g_hat, blocks, small = system
+    """M⁻¹ rhs (rhs: (3, P), a row per stage) for M of `stage_system`: in R₀'s eigenbasis
+    within span(E), as it stands outside."""
+    g_hat, g_perp, blocks, small = system
+    a = jnp.asarray(A, rhs.dtype)
     n0_solve = lambda x: jnp.einsum("pij,jp->ip", blocks, x)
     u = n0_solve(rhs @ basis)
-    c = lu_solve(small, jnp.einsum("iop,ip->io", g_hat, u).reshape(-1)).reshape(3, -1)
-    correction = h * jnp.asarray(A, rhs.dtype) @ jnp.einsum("iop,io->ip", g_hat, c)
-    return (u - n0_solve(correction)) @ basis.T
+    gu = jnp.einsum("iok,ik->io", g_hat, u)
+    if g_perp is not None:
+        u_perp = outside(rhs, basis)
+        gu = gu + jnp.einsum("iop,ip->io", g_perp, u_perp)
+    c = lu_solve(small, gu.reshape(-1)).reshape(3, -1)
+    x = (u - n0_solve(h * a @ jnp.einsum("iok,io->ik", g_hat, c))) @ basis.T
+    if g_perp is not None:
+        x = x + u_perp - h * a @ jnp.einsum("iop,io->ip", g_perp, c)
+    return x
+
+
+def estimate_system(g0, h, e, basis):
+    """RADAU5's error filter (γ₀/h − J₀)⁻¹ with the same approximate Jacobian as Newton's:
+    −J₀ = G₀ᵀG₀ + R₀⁺, R₀⁺ = E diag(max(e, 0)) Eᵀ (R₀'s negative curvature, a saddle, is left
+    out: (γ₀/h − μ)⁻¹ with μ > 0 would amplify the estimate near h = γ₀/μ). D = γ₀/h + R₀⁺
+    is diagonal in R₀'s eigenbasis and γ₀/h outside span(E); G₀ (m × P) enters by Woodbury.
+    Returns Ĝ₀ = G₀E, G₀'s rows outside span(E) (None where E is square), D's diagonal
+    within span(E) and the LU factors of I + G₀ D⁻¹ G₀ᵀ."""
+    g0_hat = g0 @ basis
+    diagonal = GAMMA0 / h + jnp.maximum(e, 0.0)
+    inner = (g0_hat / diagonal) @ g0_hat.T
+    g0_perp = None
+    if basis.shape[1] < basis.shape[0]:
+        g0_perp = outside(g0, basis)
+        inner = inner + (h / GAMMA0) * (g0_perp @ g0_perp.T)
+    return g0_hat, g0_perp, diagonal, lu_factor(jnp.eye(g0.shape[0], dtype=g0.dtype) + inner)
+
+
+def estimate_solve(system, h, basis, rhs):
+    """(γ₀/h − J₀)⁻¹ rhs for the system of `estimate_system`."""
+    g0_hat, g0_perp, diagonal, small = system
+    x = (rhs @ basis) / diagonal
+    gx = g0_hat @ x
+    if g0_perp is not None:
+        x_perp = (h / GAMMA0) * outside(rhs, basis)
+        gx = gx + g0_perp @ x_perp
+    c = lu_solve(small, gx)
+    err = (x - (c @ g0_hat) / diagonal) @ basis.T
+    if g0_perp is not None:
+        err = err + x_perp - (h / GAMMA0) * (c @ g0_perp)
+    return err
 
 
 def lu_factor(matrix):
@@ -209,6 +282,8 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
       iterations or where a correction grows.
     - `refresh_every`: steps between eigendecompositions of R₀ (an approximate Newton matrix
       costs iterations, never accuracy: the stage equations are solved to `newton_tol`).
+    - `basis_size`: R₀'s eigenpairs kept, the largest in |e| (R₀ is zero outside them; None:
+      all P).
 
     State: R₀'s eigendecomposition and the steps since (`age`), whether Newton failed on the
     last attempt (`stale`: R₀ is refreshed before the retry), the last accepted step's stage
@@ -237,6 +312,10 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
     max_newton: int = 7
     refresh_every: int = 50
     newton_floor: float = 0.5
+    basis_size: int | None = NEWTON_BASIS
+
+    def _kept(self, size: int) -> int:
+        return size if self.basis_size is None else min(size, self.basis_size)
 
     def order(self, terms):
         return 5
@@ -258,7 +337,10 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
             )
         zero = jnp.asarray(0, jnp.int32)
         return {
-            "residual": (jnp.zeros(size, flat.dtype), jnp.eye(size, dtype=flat.dtype)),
+            "residual": (
+                jnp.zeros(self._kept(size), flat.dtype),
+                jnp.eye(size, self._kept(size), dtype=flat.dtype),
+            ),
             "age": zero,
             "stale": jnp.asarray(True),
             "z": jnp.zeros((3, size), flat.dtype),
@@ -294,7 +376,9 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
             # R₀ = ∇²loss − GᵀG = −(J + GᵀG), J the rates' Jacobian
             g = gauss_newton_rows(flat0)
             r0 = -(self.jacobian(t0, y0, args) + g.T @ g)
-            return tuple(jnp.linalg.eigh(0.5 * (r0 + r0.T)))
+            e, basis = jnp.linalg.eigh(0.5 * (r0 + r0.T))
+            largest = jnp.argsort(-jnp.abs(e))[: self._kept(e.shape[0])]
+            return e[largest], basis[:, largest]
 
         refresh = solver_state["stale"] | (solver_state["age"] >= self.refresh_every)
         e, basis = jax.lax.cond(refresh, residual_part, lambda: solver_state["residual"])
@@ -347,18 +431,9 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
         converged = (change <= self.newton_tol) | (stalled & (change <= self.newton_floor))
         y1_flat = flat0 + z[2]
 
-        # RADAU5's estimate, with the same approximate Jacobian at y0: (γ₀/h − J₀)⁻¹ through
-        # R₀'s eigenbasis and G₀ (one |Ω| × |Ω| system).
-        g0 = gauss_newton_rows(flat0) @ basis
-        # Directions of negative curvature (R₀'s negative eigenvalues: a saddle) are left
-        # unfiltered: (γ₀/h − μ)⁻¹ with μ > 0 would amplify the estimate near h = γ₀/μ.
-        diagonal = GAMMA0 / h + jnp.maximum(e, 0.0)
-        small = lu_factor(jnp.eye(self.entries, dtype=flat0.dtype) + (g0 / diagonal) @ g0.T)
-
-        def estimate_solve(rhs):
-            x = (rhs @ basis) / diagonal
-            x = x - (lu_solve(small, g0 @ x) @ g0) / diagonal
-            return x @ basis.T
+        # RADAU5's estimate, with the same approximate Jacobian at y0 (one |Ω| × |Ω| system)
+        estimator = estimate_system(gauss_newton_rows(flat0), h, e, basis)
+        estimate = functools.partial(estimate_solve, estimator, h, basis)
 
         # f(y0), and for passive rows the rates' derivative there (their error, below)
         if passive0:
@@ -366,12 +441,12 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
         else:
             f0, p0 = rates(flat0)
         combined = jnp.asarray(ESTIMATE, flat0.dtype) @ z / h
-        err = estimate_solve(f0 + combined)
+        err = estimate(f0 + combined)
         y1_tol = layer_scaled_tolerance(active0, flat0, y1_flat, step_tolerance=self.step_tolerance)
         err_size = lambda x: jnp.sqrt(jnp.mean((x / y1_tol) ** 2))
         refine = err_size(err) > 1
         err = jax.lax.cond(
-            refine, lambda x: estimate_solve(rates(flat0 + x)[0] + combined), lambda x: x, err
+            refine, lambda x: estimate(rates(flat0 + x)[0] + combined), lambda x: x, err
         )
 
         # Passive rows: stages by collocation on the model's stages, error from the same
