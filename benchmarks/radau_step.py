@@ -1,22 +1,26 @@
-"""`python -m benchmarks.radau_step`: the Radau tail's linear algebra, today's against the last.
+"""`python -m benchmarks.radau_step`: the Radau tail's linear algebra, today's against earlier.
 
 The Radau IIA tail (gflow/engine/_radau.py) spends its time in Newton's matrix and in the
-stage solves with it. Since the twenty-third session the stage solves run in the eigenbasis
-of R₀ (the Hessian's residual part), where N₀ = I + h(A ⊗ R₀) is a real 3 × 3 block per
-eigenvalue: two passes through E a solve, real arithmetic, and the small system's row
-permutation taken once per factorisation. Before, each solve went through E four times with
-A's complex eigenvectors, and `jax.scipy.linalg.lu_solve` turned the pivots into a
-permutation at each solve. This probe keeps that earlier formulation (`previous_stage_system`,
-`previous_stage_solve`) and times both in one process, alternated:
+stage solves with it. Since the twenty-sixth session they keep R₀'s `NEWTON_BASIS` (32)
+eigenpairs largest in |e| and take R₀ as zero outside them (way "kept"); before, all P
+("all"). Since the twenty-third session the stage solves run in the eigenbasis of R₀ (the
+Hessian's residual part), where N₀ = I + h(A ⊗ R₀) is a real 3 × 3 block per eigenvalue:
+two passes through E a solve, real arithmetic, and the small system's row permutation taken
+once per factorisation. Before ("previous", with all P eigenpairs), each solve went through E
+four times with A's complex eigenvectors, and `jax.scipy.linalg.lu_solve` turned the pivots
+into a permutation at each solve. This probe keeps that earlier formulation
+(`previous_stage_system`, `previous_stage_solve`) and times the three in one process,
+alternated:
 
 - for each point (depth:α:seed@t, a d = 8 point of the 112-flow sweep and a flow time inside
   its Radau tail), `gflow.flow` at the sweep's options to that time;
 - from there `--attempts` Radau attempts in one compiled loop, each sized by the tail's own
-  step-size controller and kept or rejected as gflow's loop does, compiled both ways
+  step-size controller and kept or rejected as gflow's loop does, compiled each way
   (gflow's compiler options; compilation outside the clock), `--rounds` rounds in
   alternation from the same state;
-- per way: ms an attempt, Newton iterations an attempt, the attempts accepted, and how far
-  apart the two ways' parameters end (relative, max over entries).
+- per way: ms an attempt, Newton iterations an attempt, the attempts accepted, the flow time
+  reached, and how far each way's parameters end from the first way's (relative, max over
+  entries; the ways' rounding differs, and the flows' step sequences with it).
 
     python -m benchmarks.radau_step 5:1e-2:0@1e15 4:1e-4:2@1e9 --attempts 300 --rounds 6
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import time
 
 import jax
@@ -47,7 +52,7 @@ from gflow.engine._solver_loop import state_after_step  # noqa: E402
 from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
 from .tails import parse_point  # noqa: E402
 
-WAYS = ("eigenbasis", "previous")  # gflow's first
+WAYS = ("kept", "all", "previous")  # gflow's first
 
 
 def previous_stage_system(g, h, e, basis):
@@ -100,6 +105,11 @@ def traced(way):
         _radau.stage_system, _radau.stage_solve = saved
 
 
+def solver_for(way, solver):
+    """The engine's Radau solver as `way` runs it: R₀'s kept eigenpairs or all of them."""
+    return solver if way == "kept" else dataclasses.replace(solver, basis_size=None)
+
+
 def parse_case(text):
     point, _, t_max = text.partition("@")
     return parse_point(point), float(t_max)
@@ -121,8 +131,8 @@ def tail_from(point, t_max, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS):
 def attempts_program(way, solver, terms, args, controller, start, attempts):
     """`attempts` Radau attempts from `start` = (t0, t1, y, state, control), each sized by
     the controller and kept or rejected as gflow's loop does, in one program compiled with
-    `way`'s linear algebra: returns the final (t0, t1, y, state, control) and the attempts
-    accepted."""
+    `way`'s linear algebra (`solver` as `solver_for(way, …)` made it): returns the final
+    (t0, t1, y, state, control) and the attempts accepted."""
     order = solver.error_order(terms)
 
     def attempt(_, carry):
@@ -142,37 +152,47 @@ def attempts_program(way, solver, terms, args, controller, start, attempts):
         return jax.jit(run).lower(start).compile(compiler_options=compiler_options())
 
 
+def start_of(solver, terms, args, controller, t0, y):
+    """(t0, t1, y, state, control) of a Radau run from (t0, y), a first step of 1e-6·t0."""
+    state = solver.init(terms, t0, jnp.inf, y, args)
+    order = solver.error_order(terms)
+    _, control = controller.init(terms, t0, jnp.inf, y, 1e-6 * t0, args, solver.func, order)
+    return jax.tree_util.tree_map(jnp.asarray, (t0, t0 + 1e-6 * t0, y, state, control))
+
+
 def timed(program, start):
-    """Seconds, Newton iterations, attempts accepted and the final parameters of a run."""
+    """Seconds, Newton iterations, attempts accepted, the flow time reached and the final
+    parameters of a run."""
     clock = time.perf_counter()
-    (_, _, y, state, _), accepted = jax.block_until_ready(program(start))
+    (t, _, y, state, _), accepted = jax.block_until_ready(program(start))
     seconds = time.perf_counter() - clock
     iterations = int(state["iters"]) - int(start[3]["iters"])
-    return seconds, iterations, int(accepted), np.asarray(ravel_pytree(y)[0])
+    return seconds, iterations, int(accepted), float(t), np.asarray(ravel_pytree(y)[0])
 
 
 def compare(case, attempts, rounds):
-    """Rows (way, round, ms an attempt, iterations an attempt, accepted) and the parameters'
-    relative distance between the ways after the last round."""
+    """Rows (way, round, ms an attempt, iterations an attempt, accepted, t reached / t0) and
+    each way's parameters' relative distance from the first way's after the last round."""
     point, t_max = case
     result, solver, terms, args, controller = tail_from(point, t_max)
     t0 = float(result.t_end)
     y = {"model": result.model}
-    state = solver.init(terms, t0, jnp.inf, y, args)
-    order = solver.error_order(terms)
-    _, control = controller.init(terms, t0, jnp.inf, y, 1e-6 * t0, args, solver.func, order)
-    start = jax.tree_util.tree_map(jnp.asarray, (t0, t0 + 1e-6 * t0, y, state, control))
+    solvers = {w: solver_for(w, solver) for w in WAYS}
+    starts = {w: start_of(solvers[w], terms, args, controller, t0, y) for w in WAYS}
     programs = {
-        w: attempts_program(w, solver, terms, args, controller, start, attempts) for w in WAYS
+        w: attempts_program(w, solvers[w], terms, args, controller, starts[w], attempts)
+        for w in WAYS
     }
     rows, ends = [], {}
     for k in range(rounds):
         for way in WAYS:
-            seconds, iterations, accepted, end = timed(programs[way], start)
-            rows.append((way, k, 1e3 * seconds / attempts, iterations / attempts, accepted))
+            seconds, iterations, accepted, t, end = timed(programs[way], starts[way])
+            ms = 1e3 * seconds / attempts
+            rows.append((way, k, ms, iterations / attempts, accepted, t / t0))
             ends[way] = end
-    scale = np.maximum(np.abs(ends[WAYS[0]]), np.sqrt(np.mean(ends[WAYS[0]] ** 2)))
-    apart = float(np.max(np.abs(ends[WAYS[0]] - ends[WAYS[1]]) / scale))
+    first = ends[WAYS[0]]
+    scale = np.maximum(np.abs(first), np.sqrt(np.mean(first**2)))
+    apart = {w: float(np.max(np.abs(ends[w] - first) / scale)) for w in WAYS[1:]}
     return result, rows, apart
 
 
@@ -185,16 +205,17 @@ def main(argv=None):
     for case in args.cases:
         result, rows, apart = compare(case, args.attempts, args.rounds)
         print(f"{case[0]} from t = {float(result.t_end):.4g} ({result.status_label}):")
-        for way, k, ms, iterations, accepted in rows:
+        for way, k, ms, iterations, accepted, reached in rows:
             print(
-                f"  {way:>10} round {k}: {ms:6.3f} ms an attempt, {iterations:.2f} Newton "
-                f"iterations an attempt, {accepted}/{args.attempts} accepted"
+                f"  {way:>9} round {k}: {ms:6.3f} ms an attempt, {iterations:.2f} Newton "
+                f"iterations an attempt, {accepted}/{args.attempts} accepted, t × {reached:.3g}"
             )
         mean = {w: np.mean([r[2] for r in rows if r[0] == w]) for w in WAYS}
+        ratios = ", ".join(f"{w} / {WAYS[0]} {mean[w] / mean[WAYS[0]]:.2f}" for w in WAYS[1:])
+        distances = ", ".join(f"{w} {d:.1e}" for w, d in apart.items())
         print(
-            f"  previous / eigenbasis: {mean['previous'] / mean['eigenbasis']:.2f} "
-            f"(ms an attempt, mean over rounds); parameters apart after "
-            f"{args.attempts} attempts: {apart:.1e} (relative)"
+            f"  ms an attempt, mean over rounds: {ratios}; parameters apart after "
+            f"{args.attempts} attempts (relative): {distances}"
         )
 
 

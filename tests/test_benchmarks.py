@@ -127,12 +127,23 @@ def test_the_fusion_probe_compiles_both_ways_and_restores_gflows_options():
 
 def test_the_radau_step_probe_keeps_the_previous_stage_solve_and_restores_the_engines():
     """`python -m benchmarks.radau_step`: the earlier formulation it times the engine's
-    against (complex N₀ solves in the original basis) solves the same system, and tracing
-    with it leaves the engine's functions in place."""
+    against (complex N₀ solves in the original basis) solves the same system, tracing with it
+    leaves the engine's functions in place, and the ways before the kept basis take all of
+    R₀'s eigenpairs."""
     import jax.numpy as jnp
 
-    from benchmarks.radau_step import previous_stage_solve, previous_stage_system, traced
+    from benchmarks.radau_step import (
+        previous_stage_solve,
+        previous_stage_system,
+        solver_for,
+        traced,
+    )
     from gflow.engine import _radau
+
+    engine = _radau.RadauIIA(entries=8, jacobian=None, step_tolerance=(1e-10, 1e-10))
+    assert solver_for("kept", engine) is engine and engine.basis_size == _radau.NEWTON_BASIS
+    for way in ("all", "previous"):
+        assert solver_for(way, engine).basis_size is None
 
     rng = np.random.default_rng(1)
     g = jnp.asarray(rng.standard_normal((3, 4, 10)))
