@@ -73,7 +73,7 @@ NEWTON_ERROR = tuple((0.9 / g) ** 4 for g in (3.0, 3.0, 3.0, 1.5, 1.0))
 # R₀'s eigenpairs Newton's matrix and the error estimate keep, the largest in |e|. On the
 # d = 8 sweep's Radau tails 16–24 eigenvalues have h|e| ~ 1e2–1e8; the 33rd has h|e| < 0.5 at
 # 90% of the steps (at most 15), where a dropped eigenvalue costs Newton ~0.27·h|e| of
-# contraction. Warm, that sweep took 175–177 s with 32, 202–219 s with 64 and 231–243 s with
+# contraction. Warm, that sweep took 175–185 s with 32, 202–219 s with 64 and 231–243 s with
 # all P (benchmarks/README, "twenty-sixth session").
 NEWTON_BASIS = 32
 
