@@ -37,7 +37,7 @@ from gflow.engine._radau import NEWTON_ERROR, layer_scaled_tolerance  # noqa: E4
 from gflow.engine._solver_loop import state_after_step  # noqa: E402
 from gflow.model import loss_hessian  # noqa: E402
 
-from .radau_step import tail_from  # noqa: E402
+from .radau_step import start_of, tail_from  # noqa: E402
 from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL  # noqa: E402
 from .tails import parse_point  # noqa: E402
 
@@ -70,11 +70,10 @@ def crawl(point, attempts, rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS, t_max=mat
         row = (iterations, new["stale"], keep, rms(estimate), rms(reported))
         return y1, new, keep, next_t0, next_t1, control, row
 
-    t0 = float(result.t_end)
-    y = {"model": model}
-    state = solver.init(terms, t0, jnp.inf, y, args)
-    _, control = controller.init(terms, t0, jnp.inf, y, 1e-6 * t0, args, solver.func, order)
-    t1 = t0 + 1e-6 * t0  # the first attempt's length; the controller sizes the others
+    # the first attempt 1e-6·t long; the controller sizes the others
+    t0, t1, y, state, control = start_of(
+        solver, terms, args, controller, float(result.t_end), {"model": model}
+    )
     rows, h_over_t, lengths = [], [], []
     for _ in range(attempts):
         y1, new, keep, next_t0, next_t1, control, row = attempt(t0, t1, y, state, control)
