@@ -8,9 +8,11 @@ Hessian's residual part), where N₀ = I + h(A ⊗ R₀) is a real 3 × 3 block 
 two passes through E a solve, real arithmetic, and the small system's row permutation taken
 once per factorisation. Before ("previous", with all P eigenpairs), each solve went through E
 four times with A's complex eigenvectors, and `jax.scipy.linalg.lu_solve` turned the pivots
-into a permutation at each solve. This probe keeps that earlier formulation
-(`previous_stage_system`, `previous_stage_solve`) and times the three in one process,
-alternated:
+into a permutation at each solve. Since the twenty-seventh session the kept eigenpairs are
+refreshed by a Rayleigh–Ritz step from the last ones; "eigh" refreshes them by a full
+eigendecomposition, as before. This probe keeps the earlier formulation
+(`previous_stage_system`, `previous_stage_solve`) and times the ways (`--ways`, all four by
+default) in one process, alternated:
 
 - for each point (depth:α:seed@t, a d = 8 point of the 112-flow sweep and a flow time inside
   its Radau tail), `gflow.flow` at the sweep's options to that time;
@@ -23,6 +25,7 @@ alternated:
   entries; the ways' rounding differs, and the flows' step sequences with it).
 
     python -m benchmarks.radau_step 5:1e-2:0@1e15 4:1e-4:2@1e9 --attempts 300 --rounds 6
+    python -m benchmarks.radau_step 4:1e-4:2@1e9 --ways kept eigh
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from gflow.engine._solver_loop import state_after_step  # noqa: E402
 from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
 from .tails import parse_point  # noqa: E402
 
-WAYS = ("kept", "all", "previous")  # gflow's first
+WAYS = ("kept", "eigh", "all", "previous")  # gflow's first
 
 
 def previous_stage_system(g, h, e, basis):
@@ -106,8 +109,13 @@ def traced(way):
 
 
 def solver_for(way, solver):
-    """The engine's Radau solver as `way` runs it: R₀'s kept eigenpairs or all of them."""
-    return solver if way == "kept" else dataclasses.replace(solver, basis_size=None)
+    """The engine's Radau solver as `way` runs it: R₀'s kept eigenpairs refreshed by
+    Rayleigh–Ritz ("kept") or by a full eigendecomposition ("eigh"), or all of them."""
+    if way == "kept":
+        return solver
+    if way == "eigh":
+        return dataclasses.replace(solver, ritz=False)
+    return dataclasses.replace(solver, basis_size=None)
 
 
 def parse_case(text):
@@ -170,29 +178,29 @@ def timed(program, start):
     return seconds, iterations, int(accepted), float(t), np.asarray(ravel_pytree(y)[0])
 
 
-def compare(case, attempts, rounds):
+def compare(case, attempts, rounds, ways=WAYS):
     """Rows (way, round, ms an attempt, iterations an attempt, accepted, t reached / t0) and
     each way's parameters' relative distance from the first way's after the last round."""
     point, t_max = case
     result, solver, terms, args, controller = tail_from(point, t_max)
     t0 = float(result.t_end)
     y = {"model": result.model}
-    solvers = {w: solver_for(w, solver) for w in WAYS}
-    starts = {w: start_of(solvers[w], terms, args, controller, t0, y) for w in WAYS}
+    solvers = {w: solver_for(w, solver) for w in ways}
+    starts = {w: start_of(solvers[w], terms, args, controller, t0, y) for w in ways}
     programs = {
         w: attempts_program(w, solvers[w], terms, args, controller, starts[w], attempts)
-        for w in WAYS
+        for w in ways
     }
     rows, ends = [], {}
     for k in range(rounds):
-        for way in WAYS:
+        for way in ways:
             seconds, iterations, accepted, t, end = timed(programs[way], starts[way])
             ms = 1e3 * seconds / attempts
             rows.append((way, k, ms, iterations / attempts, accepted, t / t0))
             ends[way] = end
-    first = ends[WAYS[0]]
+    first = ends[ways[0]]
     scale = np.maximum(np.abs(first), np.sqrt(np.mean(first**2)))
-    apart = {w: float(np.max(np.abs(ends[w] - first) / scale)) for w in WAYS[1:]}
+    apart = {w: float(np.max(np.abs(ends[w] - first) / scale)) for w in ways[1:]}
     return result, rows, apart
 
 
@@ -201,17 +209,21 @@ def main(argv=None):
     parser.add_argument("cases", nargs="*", type=parse_case, default=[parse_case("5:1e-2:0@1e15")])
     parser.add_argument("--attempts", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds per case")
+    parser.add_argument(
+        "--ways", nargs="+", choices=WAYS, default=list(WAYS), help="the first is the reference"
+    )
     args = parser.parse_args(argv)
+    ways = tuple(args.ways)
     for case in args.cases:
-        result, rows, apart = compare(case, args.attempts, args.rounds)
+        result, rows, apart = compare(case, args.attempts, args.rounds, ways)
         print(f"{case[0]} from t = {float(result.t_end):.4g} ({result.status_label}):")
         for way, k, ms, iterations, accepted, reached in rows:
             print(
                 f"  {way:>9} round {k}: {ms:6.3f} ms an attempt, {iterations:.2f} Newton "
                 f"iterations an attempt, {accepted}/{args.attempts} accepted, t × {reached:.3g}"
             )
-        mean = {w: np.mean([r[2] for r in rows if r[0] == w]) for w in WAYS}
-        ratios = ", ".join(f"{w} / {WAYS[0]} {mean[w] / mean[WAYS[0]]:.2f}" for w in WAYS[1:])
+        mean = {w: np.mean([r[2] for r in rows if r[0] == w]) for w in ways}
+        ratios = ", ".join(f"{w} / {ways[0]} {mean[w] / mean[ways[0]]:.2f}" for w in ways[1:])
         distances = ", ".join(f"{w} {d:.1e}" for w, d in apart.items())
         print(
             f"  ms an attempt, mean over rounds: {ratios}; parameters apart after "

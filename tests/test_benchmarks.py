@@ -128,8 +128,9 @@ def test_the_fusion_probe_compiles_both_ways_and_restores_gflows_options():
 def test_the_radau_step_probe_keeps_the_previous_stage_solve_and_restores_the_engines():
     """`python -m benchmarks.radau_step`: the earlier formulation it times the engine's
     against (complex N₀ solves in the original basis) solves the same system, tracing with it
-    leaves the engine's functions in place, and the ways before the kept basis take all of
-    R₀'s eigenpairs."""
+    leaves the engine's functions in place, the ways before the kept basis take all of R₀'s
+    eigenpairs, and "eigh" keeps the engine's but refreshes them by a full
+    eigendecomposition."""
     import jax.numpy as jnp
 
     from benchmarks.radau_step import (
@@ -142,6 +143,8 @@ def test_the_radau_step_probe_keeps_the_previous_stage_solve_and_restores_the_en
 
     engine = _radau.RadauIIA(entries=8, jacobian=None, step_tolerance=(1e-10, 1e-10))
     assert solver_for("kept", engine) is engine and engine.basis_size == _radau.NEWTON_BASIS
+    assert engine.ritz and not solver_for("eigh", engine).ritz
+    assert solver_for("eigh", engine).basis_size == _radau.NEWTON_BASIS
     for way in ("all", "previous"):
         assert solver_for(way, engine).basis_size is None
 

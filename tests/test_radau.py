@@ -82,6 +82,31 @@ def test_a_truncated_stage_system_is_backward_stable_where_g_lies_along_stiff_di
     assert residual <= 1e-15 * np.linalg.norm(matrix, 2) * np.linalg.norm(x)
 
 
+def test_ritz_pairs_from_an_earlier_basis_are_the_nearby_residual_s_largest_eigenpairs():
+    """Rayleigh–Ritz on span(E, R₀E), E an earlier R₀'s kept eigenvectors: the new R₀'s
+    eigenpairs largest in |e| where it has moved by 1e-9 of its size, an orthonormal basis in
+    which R₀ is diagonal; and R₀E's directions are reached where E misses one of them."""
+    rng = np.random.default_rng(1)
+    size, kept = 60, 8
+    q, _ = np.linalg.qr(rng.standard_normal((size, size)))
+    stiff = np.array([1e8, -3e6, 2e5, 5e4, -1e4, 3e3, 1e3, 2e2])
+    e_all = np.concatenate([stiff, rng.uniform(-1, 1, size - kept)])
+    earlier = q @ np.diag(e_all) @ q.T
+    bump = rng.standard_normal((size, size))
+    r0 = earlier + 1e-9 * np.abs(stiff).max() * (bump + bump.T) / np.sqrt(size)
+    e, basis = (np.asarray(x) for x in _radau.ritz_pairs(jnp.asarray(r0), jnp.asarray(q[:, :kept])))
+    exact, vectors = _kept(r0, kept)
+    np.testing.assert_allclose(e, exact, rtol=0, atol=1e-14 * stiff[0])
+    np.testing.assert_allclose(basis.T @ basis, np.eye(kept), rtol=0, atol=1e-14)
+    np.testing.assert_allclose(np.abs(basis.T @ vectors), np.eye(kept), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(basis.T @ r0 @ basis, np.diag(e), atol=1e-14 * stiff[0])
+    # E without the 2e2 direction: R₀E reaches it through R₀'s coupling of the two
+    missing = q[:, :kept].copy()
+    missing[:, -1] = (q[:, kept - 1] + q[:, kept]) / np.sqrt(2)
+    e, _ = _radau.ritz_pairs(jnp.asarray(earlier), jnp.asarray(missing))
+    np.testing.assert_allclose(np.asarray(e), stiff, rtol=0, atol=1e-14 * stiff[0])
+
+
 def test_the_observed_jacobian_is_that_of_the_observed_entries_padded_and_masked():
     problem = gflow.bernoulli(5, 4, 0.5, 2, key=0)
     model = gflow.gaussian([4, 3, 3, 5], 0.7, key=1)
