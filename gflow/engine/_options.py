@@ -157,7 +157,8 @@ class FlowOptions(eqx.Module):
       singular values of the 108 flows that converge both ways within 3.6e-9 of each other;
       a third singular value that escapes last was 1.9e-8 off an rtol-1e-12 reference where
       the Rosenbrock tail throughout is 1.0e-8 off (benchmarks/README, "nineteenth session";
-      2.3e-8 since the Radau step keeps 32 of R₀'s eigenpairs, "twenty-sixth session").
+      1.1e-8 against a reference Rosenbrock throughout at 89ad362, "twenty-seventh
+      session").
       `rosenbrock`: the Rosenbrock method throughout (before 2026-12-07). `radau`:
       three-stage Radau IIA (order 5) throughout, its Newton iteration taking each stage's own
       Gauss–Newton curvature (engine/_radau.py). On flows whose top singular value runs off
