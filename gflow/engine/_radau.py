@@ -352,10 +352,12 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
     def _ritz(self, size: int) -> bool:
         return self.ritz and self._kept(size) < size
 
+    def _gauss_newton_rows(self, model, args):
+        return observed_jacobian(model, args.problem, args.layer_mask, self.entries)
+
     def _residual(self, t0, y0, args):
         """R₀ = ∇²loss − GᵀG = −(J + GᵀG) at y0, J the rates' Jacobian, symmetrised."""
-        model = self._split(y0)[0]["model"]
-        g = observed_jacobian(model, args.problem, args.layer_mask, self.entries)
+        g = self._gauss_newton_rows(self._split(y0)[0]["model"], args)
         r0 = -(self.jacobian(t0, y0, args) + g.T @ g)
         return 0.5 * (r0 + r0.T)
 
@@ -374,24 +376,15 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
                 f"tail (tail_method='rosenbrock')"
             )
         zero = jnp.asarray(0, jnp.int32)
-        # Ritz refreshes start from an exact decomposition at y0; otherwise the first step
-        # decomposes R₀ there.
-        warm = self._ritz(size)
-        if warm:
-            residual = self._eigenpairs(self._residual(t0, y0, args))
-        else:
-            residual = (
-                jnp.zeros(self._kept(size), flat.dtype),
-                jnp.eye(size, self._kept(size), dtype=flat.dtype),
-            )
         return {
-            "residual": residual,
+            # R₀ decomposed in full where the tail starts: Ritz refreshes start from it
+            "residual": self._eigenpairs(self._residual(t0, y0, args)),
             "age": zero,
-            "stale": jnp.asarray(not warm),
+            "stale": jnp.asarray(False),
             "z": jnp.zeros((3, size), flat.dtype),
             "h": jnp.zeros((), flat.dtype),
             "iters": zero,
-            "factorizations": jnp.asarray(int(warm), jnp.int32),
+            "factorizations": jnp.asarray(1, jnp.int32),
             "evaluations": zero,
         }
 
@@ -411,11 +404,8 @@ class RadauIIA(diffrax.AbstractAdaptiveSolver):
             active, passive = self._split(dy)
             return ravel_pytree(active)[0], ravel_pytree(passive)[0]
 
-        def model_of(flat):
-            return unravel(flat)["model"]
-
         def gauss_newton_rows(flat):
-            return observed_jacobian(model_of(flat), args.problem, args.layer_mask, self.entries)
+            return self._gauss_newton_rows(unravel(flat)["model"], args)
 
         def residual_part():
             r0 = self._residual(t0, y0, args)
