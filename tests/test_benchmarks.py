@@ -188,3 +188,21 @@ def test_the_tail_compile_probe_unrolls_the_same_stages_and_restores_the_loop():
     with stages("unrolled"):
         assert _rosenbrock.stage_loop is unrolled_stages
     assert _rosenbrock.stage_loop is loop
+
+
+def test_the_handover_probe_lifts_the_radau_work_limit_only_in_its_block():
+    """`python -m benchmarks.handover`: its `handover` way hands a 16 × 16, 30%-observed,
+    depth-4 tail over to Radau, which gflow's default does not (the Newton matrix's work past
+    `RADAU_MAX_WORK`), and restores the limit after the block."""
+    from benchmarks.handover import case, way_options, work_of
+    from gflow.engine import _solve
+
+    before = _solve.RADAU_MAX_WORK
+    problem, init = case("16:4:1e-2")
+    rows, work, hands_over = work_of(problem, init)
+    assert rows == 72 and work > before and not hands_over
+    with way_options("handover") as options:
+        assert options.tail_method == "auto" and work_of(problem, init)[2]
+    assert _solve.RADAU_MAX_WORK == before and not work_of(problem, init)[2]
+    with way_options("radau") as options:
+        assert options.tail_method == "radau"

@@ -172,11 +172,8 @@ def _tail_program(
     start = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(like), jax.tree_util.tree_leaves(head)
     )
-    from ._solve import tail_stages
-
-    method, _ = tail_stages(options, init, continued=in_axes is None)[stage]
-    # Radau's Newton matrix is formed from 3 × `observed` rows at every step: it takes the
-    # count to a finer multiple than the Rosenbrock programs share (a d = 8 mask's 40, not 64)
+    stages = stages_of_tail(problem, init, options, continued=in_axes is None)
+    method, _ = stages[stage]
     if method == "radau":
         observed = observed_bound(problem, RADAU_MULTIPLE)
     else:
@@ -188,7 +185,15 @@ def _tail_program(
         from ._solve import finish_tail
 
         fn = lambda p, m, h: finish_tail(
-            p, m, h, options, observed=observed, batch_axis=axis, tangent_rank=rank, stage=stage
+            p,
+            m,
+            h,
+            options,
+            observed=observed,
+            batch_axis=axis,
+            tangent_rank=rank,
+            stage=stage,
+            stages=stages,
         )
         return fn if in_axes is None else jax.vmap(fn, in_axes=(*in_axes, 0), axis_name=axis)
 
@@ -197,7 +202,7 @@ def _tail_program(
         options,
         (problem, init, start),
         make_fn,
-        extra=(observed, rank, in_axes, stage),
+        extra=(observed, rank, in_axes, stage, stages),
         out_like=like,
     )
     return compiled, start, compile_time
@@ -245,8 +250,20 @@ def _run(compiled, problem, model, options, in_axes=None, lazy=False):
     return result, wall, tail_compile
 
 
-# The multiple a Radau IIA tail program takes the observed entries to (`_tail_program`).
+# The multiple a Radau IIA tail program takes the observed entries to (`_tail_program`):
+# its Newton matrix is formed from 3 × that many rows at every step, so it takes a finer
+# multiple than the Rosenbrock programs share (a d = 8 mask's 40, not 64).
 RADAU_MULTIPLE = 8
+
+
+def stages_of_tail(problem, init, options: FlowOptions, continued: bool = True):
+    """`_solve.tail_stages` for the tail of a flow of `problem` from `init`, with the rows a
+    Radau stage would take: every program of one tail takes the same stages."""
+    from ._solve import tail_stages
+
+    return tail_stages(
+        options, init, continued=continued, observed=observed_bound(problem, RADAU_MULTIPLE)
+    )
 
 
 def observed_bound(problem: Problem, multiple: int = 64) -> int:

@@ -158,6 +158,7 @@ def finish_tail(
     batch_axis=None,
     tangent_rank: int | None = None,
     stage: int = 0,
+    stages: tuple | None = None,
 ) -> FlowResult:
     """The stiff tail of a solve run with `defer_tail=True` (`head`, from the initial `model`),
     as that solve would have run it: the whole flow's result. A head whose status is not
@@ -167,11 +168,13 @@ def finish_tail(
     strips the frozen identity layers first). `batch_axis`: as in `solve`, for the tails of a
     batch finished together under `jax.vmap`.
 
-    `stage`: which of `tail_stages` this program runs. A stage with one after it ends a flow
+    `stage`: which of `stages` this program runs (`tail_stages`, as the caller decided them;
+    None: from `observed`). A stage with one after it ends a flow
     that is out of its steps as `PENDING`, for the next stage's program to go on from it
     (`head` is then the previous stage's result): its samples are merged in, its work counts
     in its own row of `phase_work` (`Phase.RADAU_TAIL`)."""
-    stages = tail_stages(options, model, continued=batch_axis is None)
+    if stages is None:
+        stages = tail_stages(options, model, continued=batch_axis is None, observed=observed)
     method, budget = stages[stage]
     setup = _setup(problem, model, options, None, observed, method)
     solver = _solvers(options, setup, batch_axis, observed, tangent_rank, method)["stiff"]
@@ -210,17 +213,37 @@ def finish_tail(
 # budget only decides how long a flow that does not converge in it runs.
 RADAU_STEP_COST = 8
 
+# The largest Newton matrix work (3·|Ω|)²·P at which `tail_method="auto"` hands a long
+# Rosenbrock tail over to Radau IIA. Forming G⊥G⊥ᵀ for the 3|Ω| × 3|Ω| system dominates a
+# Radau step there, which the Rosenbrock tail's Gram preconditioner does not pay. Measured
+# (2026-12-08, benchmarks/README, "twenty-eighth session"): a Radau step against a Rosenbrock
+# one, and the solve with the handover against the Rosenbrock tail throughout, on
+# `gflow.bernoulli(d, d, 0.3, 5)` at depth 4, α = 1e-2: d = 12 (1.2e7) ~6.6×, 13.5 against
+# 13.2 s; d = 16 (4.8e7) ~8×, 52.1 against 18.2 s; d = 20 (1.8e8) ~11×, 57.7 against 32.0 s.
+# On the d = 8 sweep (≤ 4.6e6) a step costs ~2.5 and the handover pays.
+RADAU_MAX_WORK = 1.0e7
 
-def tail_stages(options: FlowOptions, model: Factorization, continued: bool = True):
+
+def radau_work(observed: int, size: int) -> float:
+    """(3·`observed`)²·`size`: the products that form a Radau step's Newton matrix (P = `size`
+    parameters, `observed` rows of the observed Jacobian a stage)."""
+    return float(3 * observed) ** 2 * size
+
+
+def tail_stages(
+    options: FlowOptions, model: Factorization, continued: bool = True, observed: int | None = None
+):
     """The stiff tail as a sequence of (method, step budget) stages, each a program of its own
     that goes on from where the previous one stopped. `tail_method="auto"`: the Rosenbrock
     method for `radau_after` steps, then Radau IIA for what is left of `max_steps` at
     `RADAU_STEP_COST` a step, where a Radau program can go on after it (`continued`: a tail
     run alone, not batched under vmap), the model is small enough for its dense Hessian
-    (`_radau.MAX_PARAMETERS`) and its tails can run side by side (`tails_run_alone` would
-    hold a sweep's others); else, with `rounding_allowance` (a Rosenbrock tableau's) and
-    with `tail_scale="entry"` (Radau's errors are layer-scaled), the Rosenbrock method
-    alone."""
+    (`_radau.MAX_PARAMETERS`), a Radau step is cheap enough beside a Rosenbrock one
+    (`radau_work` of `observed`, the rows Radau's program would take, within
+    `RADAU_MAX_WORK`; None: not limited) and its tails can run side by side
+    (`tails_run_alone` would hold a sweep's others); else, with `rounding_allowance` (a
+    Rosenbrock tableau's) and with `tail_scale="entry"` (Radau's errors are layer-scaled),
+    the Rosenbrock method alone."""
     if options.tail_method != "auto":
         return ((options.tail_method, options.max_steps),)
     size = sum(math.prod(w.shape[-2:]) for w in model.layers)
@@ -230,6 +253,7 @@ def tail_stages(options: FlowOptions, model: Factorization, continued: bool = Tr
         and options.tail_scale == "layer"
         and options.max_steps > options.radau_after
         and size <= MAX_PARAMETERS
+        and (observed is None or radau_work(observed, size) <= RADAU_MAX_WORK)
         and compiler_options()
     ):
         radau_steps = max(1, (options.max_steps - options.radau_after) // RADAU_STEP_COST)
