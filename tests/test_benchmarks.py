@@ -190,19 +190,24 @@ def test_the_tail_compile_probe_unrolls_the_same_stages_and_restores_the_loop():
     assert _rosenbrock.stage_loop is loop
 
 
-def test_the_handover_probe_lifts_the_radau_work_limit_only_in_its_block():
-    """`python -m benchmarks.handover`: its `handover` way hands a 16 × 16, 30%-observed,
-    depth-4 tail over to Radau, which gflow's default does not (the Newton matrix's work past
-    `RADAU_MAX_WORK`), and restores the limit after the block."""
+def test_the_handover_probe_bounds_the_radau_work_only_in_its_block():
+    """`python -m benchmarks.handover`: its `limited` way keeps a 16 × 16, 30%-observed,
+    depth-4 tail on the Rosenbrock method, which gflow's default hands over to Radau, and
+    restores the default after the block; its sweep-family case is the sweep's point."""
     from benchmarks.handover import case, way_options, work_of
+    from benchmarks.runoff import sweep_point
     from gflow.engine import _solve
 
     before = _solve.RADAU_MAX_WORK
-    problem, init = case("16:4:1e-2")
-    rows, work, hands_over = work_of(problem, init)
-    assert rows == 72 and work > before and not hands_over
-    with way_options("handover") as options:
-        assert options.tail_method == "auto" and work_of(problem, init)[2]
-    assert _solve.RADAU_MAX_WORK == before and not work_of(problem, init)[2]
-    with way_options("radau") as options:
-        assert options.tail_method == "radau"
+    problem, init, base = case("16:4:1e-2")
+    rows, work, hands_over = work_of(problem, init, base)
+    assert rows == 72 and work > 1e7 and hands_over
+    with way_options("limited", base, limit=1e7) as options:
+        assert options.tail_method == "auto" and not work_of(problem, init, options)[2]
+    assert _solve.RADAU_MAX_WORK == before and work_of(problem, init, base)[2]
+    with way_options("radau", base) as options:
+        assert options.tail_method == "radau" and options.rtol == base.rtol
+    problem, init, base = case("sweep:8:4:1e-2:2")
+    expected = sweep_point(4, 1e-2, 2)
+    np.testing.assert_array_equal(problem.mask, expected[0].mask)
+    np.testing.assert_array_equal(init.layers[0], expected[1].layers[0])

@@ -249,13 +249,14 @@ def test_the_auto_tail_is_the_rosenbrock_tail_where_that_finishes_in_time(radau_
     np.testing.assert_array_equal(auto.model.product(), rosenbrock.model.product())
 
 
-def test_the_auto_tail_has_a_radau_stage_only_where_one_can_go_on():
+def test_the_auto_tail_has_a_radau_stage_only_where_one_can_go_on(monkeypatch):
     """`_solve.tail_stages`: a tail batched under vmap, a model past Radau's dense limit, a
-    Radau step far costlier than a Rosenbrock one, a budget within `radau_after`, the
-    Rosenbrock tableau's rounding allowance or a per-entry step error keep the Rosenbrock
-    method for the whole budget."""
+    Radau step's Newton matrix work past `RADAU_MAX_WORK` (none by default), a budget within
+    `radau_after`, the Rosenbrock tableau's rounding allowance or a per-entry step error keep
+    the Rosenbrock method for the whole budget."""
+    from gflow.engine import _solve
     from gflow.engine._flow import stages_of_tail
-    from gflow.engine._solve import RADAU_MAX_WORK, RADAU_STEP_COST, radau_work, tail_stages
+    from gflow.engine._solve import RADAU_STEP_COST, radau_work, tail_stages
 
     small = gflow.gaussian([8] * 4, 0.05, key=1)
     options = gflow.FlowOptions(tail_method="auto", radau_after=500, max_steps=10_500)
@@ -264,15 +265,18 @@ def test_the_auto_tail_has_a_radau_stage_only_where_one_can_go_on():
     assert tail_stages(options, small, continued=False) == (("rosenbrock", 10_500),)
     large = gflow.gaussian([65, 65], 0.1, key=0)
     assert tail_stages(options, large) == (("rosenbrock", 10_500),)
-    # the Newton matrix's work: the d = 8 sweep's 40 rows at depth 3 hand over, 30% of a
-    # 16 × 16 target's at depth 4 (bound 80, P = 1,024) do not; the programs of one tail
-    # take the rows Radau's would (a multiple of 8), whatever their own stage's bound
-    assert radau_work(40, 192) <= RADAU_MAX_WORK < radau_work(80, 1024)
-    assert tail_stages(options, small, observed=40) == tail_stages(options, small)
+    # the Newton matrix's work, where bounded: with a bound of 1e7 the d = 8 sweep's 40 rows
+    # at depth 3 hand over, 30% of a 16 × 16 target's at depth 4 (72 rows, P = 1,024) do
+    # not; the programs of one tail take the rows Radau's would (a multiple of 8), whatever
+    # their own stage's bound
     deep = gflow.gaussian([16] * 5, 0.01, key=1)
-    assert tail_stages(options, deep, observed=80) == (("rosenbrock", 10_500),)
     sparse = gflow.bernoulli(16, 16, 0.05, 2, key=0)  # ≤ 16 rows: work ≤ 2.4e6
     dense = gflow.bernoulli(16, 16, 0.3, 5, key=0)
+    assert len(stages_of_tail(dense, deep, options)) == 2  # no bound by default
+    monkeypatch.setattr(_solve, "RADAU_MAX_WORK", 1e7)
+    assert radau_work(40, 192) <= 1e7 < radau_work(72, 1024)
+    assert tail_stages(options, small, observed=40) == tail_stages(options, small)
+    assert tail_stages(options, deep, observed=72) == (("rosenbrock", 10_500),)
     assert len(stages_of_tail(sparse, deep, options)) == 2
     assert stages_of_tail(dense, deep, options) == (("rosenbrock", 10_500),)
     assert stages_of_tail(dense, deep, options, continued=False) == (("rosenbrock", 10_500),)

@@ -150,18 +150,19 @@ class FlowOptions(eqx.Module):
       IIA from where it stands, for what is left of `max_steps` (a Radau step counted as
       `_solve.RADAU_STEP_COST` = 8 of them; `Phase.RADAU_TAIL` in `work()`). Only a tail run
       alone hands over: tails batched under vmap (`tails="batch"`, `solver="rodas4"`), models
-      past Radau's dense limit, problems where a Radau step costs far more than a
-      Rosenbrock one ((3·|Ω|)²·P past `_solve.RADAU_MAX_WORK` = 1e7, e.g. depth 4 at
-      d ≥ 12 with 30% observed: at d = 16 the handover took 52.1 s against 18.2 s),
-      `rounding_allowance`, `tail_scale="entry"` (Radau's errors are layer-scaled) and
-      compilations with XLA's YNNPACK fusion (off the CPU) keep the Rosenbrock method
-      throughout. On the 112-flow d = 8 sweep of the `scale` benchmark 110
+      past Radau's dense limit, `rounding_allowance`, `tail_scale="entry"` (Radau's errors
+      are layer-scaled) and compilations with XLA's YNNPACK fusion (off the CPU) keep the
+      Rosenbrock method throughout. On the 112-flow d = 8 sweep of the `scale` benchmark 110
       flows converged against 108, in 239.9 s against 522.3 s side by side, the top two
       singular values of the 108 flows that converge both ways within 3.6e-9 of each other;
       a third singular value that escapes last was 1.9e-8 off an rtol-1e-12 reference where
       the Rosenbrock tail throughout is 1.0e-8 off (benchmarks/README, "nineteenth session";
       1.1e-8 against a reference Rosenbrock throughout at 89ad362, "twenty-seventh
-      session").
+      session"). Past d = 8 the handover can cost as well as pay: a Radau step's Newton
+      matrix takes ~(3|Ω|)²·P, and at depth 4 on 30%-observed 16 × 16 and 20 × 20 targets
+      the handover took 2.27× and 1.62× the Rosenbrock tail's solve, where on a
+      50%-observed 12 × 12 one it took 0.29× (`python -m benchmarks.handover`); pass
+      `tail_method="rosenbrock"` or `"radau"` where it matters.
       `rosenbrock`: the Rosenbrock method throughout (before 2026-12-07). `radau`:
       three-stage Radau IIA (order 5) throughout, its Newton iteration taking each stage's own
       Gauss–Newton curvature (engine/_radau.py). On flows whose top singular value runs off

@@ -168,11 +168,11 @@ def finish_tail(
     strips the frozen identity layers first). `batch_axis`: as in `solve`, for the tails of a
     batch finished together under `jax.vmap`.
 
-    `stage`: which of `stages` this program runs (`tail_stages`, as the caller decided them;
-    None: from `observed`). A stage with one after it ends a flow
-    that is out of its steps as `PENDING`, for the next stage's program to go on from it
-    (`head` is then the previous stage's result): its samples are merged in, its work counts
-    in its own row of `phase_work` (`Phase.RADAU_TAIL`)."""
+    `stage`: which of `stages` this program runs (`tail_stages` as the caller decided them;
+    None: decided here from `observed`). A stage with one after it ends a flow that is out of
+    its steps as `PENDING`, for the next stage's program to go on from it (`head` is then the
+    previous stage's result): its samples are merged in, its work counts in its own row of
+    `phase_work` (`Phase.RADAU_TAIL`)."""
     if stages is None:
         stages = tail_stages(options, model, continued=batch_axis is None, observed=observed)
     method, budget = stages[stage]
@@ -214,14 +214,15 @@ def finish_tail(
 RADAU_STEP_COST = 8
 
 # The largest Newton matrix work (3·|Ω|)²·P at which `tail_method="auto"` hands a long
-# Rosenbrock tail over to Radau IIA. Forming G⊥G⊥ᵀ for the 3|Ω| × 3|Ω| system dominates a
-# Radau step there, which the Rosenbrock tail's Gram preconditioner does not pay. Measured
-# (2026-12-08, benchmarks/README, "twenty-eighth session"): a Radau step against a Rosenbrock
-# one, and the solve with the handover against the Rosenbrock tail throughout, on
-# `gflow.bernoulli(d, d, 0.3, 5)` at depth 4, α = 1e-2: d = 12 (1.2e7) ~6.6×, 13.5 against
-# 13.2 s; d = 16 (4.8e7) ~8×, 52.1 against 18.2 s; d = 20 (1.8e8) ~11×, 57.7 against 32.0 s.
-# On the d = 8 sweep (≤ 4.6e6) a step costs ~2.5 and the handover pays.
-RADAU_MAX_WORK = 1.0e7
+# Rosenbrock tail over to Radau IIA; none by default. Forming G⊥G⊥ᵀ for its 3|Ω| × 3|Ω|
+# system dominates a Radau step on larger problems, which the Rosenbrock tail's Gram
+# preconditioner does not pay, but the size alone does not say where the handover pays
+# (2026-12-08, benchmarks/README, "twenty-eighth session"; `python -m benchmarks.handover`):
+# on `bernoulli(d, d, 0.3, 5)` at depth 4, α = 1e-2, it took 2.27× (d = 16, 4.8e7) and 1.62×
+# (d = 20, 1.8e8) the Rosenbrock tail's solve, a Radau step costing ~8–11 Rosenbrock steps;
+# on a d = 12 sweep point (density 0.5, rank 2, depth 4, α = 1e-3, seed 3; 3.3e7), whose
+# Rosenbrock tail factorises every other step, it took 0.29× (45.6 against 159.3 s).
+RADAU_MAX_WORK = math.inf
 
 
 def radau_work(observed: int, size: int) -> float:
