@@ -36,9 +36,8 @@ jax.config.update("jax_enable_x64", True)
 import gflow  # noqa: E402
 from gflow.engine import _solve  # noqa: E402
 from gflow.engine._flow import RADAU_MULTIPLE, observed_bound, stages_of_tail  # noqa: E402
-from gflow.sweeps._build import build  # noqa: E402
 
-from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL  # noqa: E402
+from .runoff import SWEEP_MAX_STEPS, SWEEP_RTOL, sweep_point  # noqa: E402
 
 WAYS = ("auto", "limited", "rosenbrock", "radau")
 
@@ -62,9 +61,7 @@ def case(text):
     """(problem, init, options) of a case `d:depth:α` or `sweep:d:depth:α:seed`."""
     if text.startswith("sweep:"):
         d, depth, alpha, seed = text.split(":")[1:]
-        point = dict(depth=int(depth), alpha=float(alpha), seed=int(seed), dim=int(d))
-        point |= dict(density=0.5, rank=2, noise=0.0, m=1.0)
-        problem, init = build(point, "bernoulli", "gaussian")
+        problem, init = sweep_point(int(depth), float(alpha), int(seed), dim=int(d))
         return problem, init, gflow.FlowOptions(rtol=SWEEP_RTOL, max_steps=SWEEP_MAX_STEPS)
     d, depth, alpha = text.split(":")
     d, depth = int(d), int(depth)

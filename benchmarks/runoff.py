@@ -45,8 +45,11 @@ ORDER = 5
 SWEEP_RTOL, SWEEP_MAX_STEPS = 1e-10, 100_000
 
 
-def sweep_point(depth, alpha, seed):
-    point = dict(depth=depth, alpha=alpha, seed=seed, dim=8, density=0.5, rank=2, noise=0.0, m=1.0)
+def sweep_point(depth, alpha, seed, dim=8):
+    """(problem, init) of a point of the 112-flow sweep's family (at dimension `dim`)."""
+    point = dict(
+        depth=depth, alpha=alpha, seed=seed, dim=dim, density=0.5, rank=2, noise=0.0, m=1.0
+    )
     return build(point, "bernoulli", "gaussian")
 
 
